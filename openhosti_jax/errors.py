@@ -1,0 +1,83 @@
+"""Typed errors. Each is also the built-in a caller would naturally catch (ValueError, RuntimeError, ...).
+
+Messages say what was expected, what was found, where (a pytree path when there is one) and how to fix it.
+
+Example:
+    >>> from openhosti_jax.errors import MeshConfigError
+    >>> try:
+    ...     raise MeshConfigError("expected data*fsdp == 8, found 3; set data=-1 to infer it")
+    ... except ValueError as e:
+    ...     print(type(e).__name__)
+    MeshConfigError
+"""
+
+from __future__ import annotations
+
+
+class OpenhostiError(Exception):
+    """Base class of every error raised on purpose by openhosti_jax."""
+
+
+class MeshConfigError(OpenhostiError, ValueError):
+    """A mesh configuration does not match the devices (sizes, axes, multi-host layout)."""
+
+
+class ShardingError(OpenhostiError, ValueError):
+    """A sharding spec, logical-axis rule or plan does not fit a leaf's shape or the mesh."""
+
+
+class PlanningError(OpenhostiError, ValueError):
+    """The planner found no candidate that satisfies the constraints (memory budget, divisibility)."""
+
+
+class MemoryBudgetError(PlanningError):
+    """Nothing fits the memory budget; the message gives the smallest requirement found."""
+
+
+class BatchError(OpenhostiError, ValueError):
+    """A batch's shape or sharding does not fit the mesh or the microbatch configuration."""
+
+
+class PipelineError(OpenhostiError, ValueError):
+    """A pipeline request cannot be met (more stages than layers, a memory cap no cut satisfies, ...)."""
+
+
+class BalanceError(OpenhostiError, ValueError):
+    """A load-balancing assignment or measurement is invalid."""
+
+
+class CheckpointError(OpenhostiError, RuntimeError):
+    """A checkpoint could not be saved, found or restored."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A checkpoint's stored bytes do not match the checksums written at save time."""
+
+
+class DistributedError(OpenhostiError, RuntimeError):
+    """Multi-process initialisation, barrier or collective failed or timed out."""
+
+
+class BridgeError(OpenhostiError, TypeError):
+    """A tensor or model cannot be converted between JAX and PyTorch / TensorFlow."""
+
+
+class StateError(OpenhostiError, ValueError):
+    """A TrainState or model init function is not what the library expected."""
+
+
+__all__ = [
+    "OpenhostiError",
+    "MeshConfigError",
+    "ShardingError",
+    "PlanningError",
+    "MemoryBudgetError",
+    "BatchError",
+    "PipelineError",
+    "BalanceError",
+    "CheckpointError",
+    "CheckpointCorruptError",
+    "DistributedError",
+    "BridgeError",
+    "StateError",
+]

@@ -1,0 +1,13 @@
+"""Force 8 simulated CPU devices before jax is imported by any test module."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "")
+    + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+assert jax.device_count() == 8, f"expected 8 simulated CPU devices, found {jax.device_count()}"
