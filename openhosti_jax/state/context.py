@@ -1,0 +1,39 @@
+"""The shardings active while an ``@spmd`` step is traced, so library helpers can place intermediates.
+
+Example:
+    >>> from openhosti_jax.state.context import constrain_gradients
+    >>> constrain_gradients({"w": 1.0})  # outside an @spmd step: unchanged
+    {'w': 1.0}
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def active_gradient_shardings(shardings: Any) -> Iterator[None]:
+    """Within the block, `constrain_gradients` places gradients with ``shardings`` (a pytree of NamedSharding)."""
+    prev = getattr(_local, "grad_shardings", None)
+    _local.grad_shardings = shardings
+    try:
+        yield
+    finally:
+        _local.grad_shardings = prev
+
+
+def constrain_gradients(grads: Any) -> Any:
+    """Apply the active gradient shardings (if any, and if the tree matches) with `with_sharding_constraint`."""
+    shardings = getattr(_local, "grad_shardings", None)
+    if shardings is None:
+        return grads
+    if jax.tree.structure(shardings) != jax.tree.structure(grads):
+        return grads
+    return jax.lax.with_sharding_constraint(grads, shardings)

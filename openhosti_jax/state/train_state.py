@@ -1,0 +1,35 @@
+"""`TrainState`: flax's TrainState plus a PRNG key, so dropout and sampling resume exactly.
+
+Example:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> from openhosti_jax.state import TrainState
+    >>> s = TrainState.create(apply_fn=None, params={"w": jnp.ones(3)}, tx=optax.sgd(0.1),
+    ...                       rng=jax.random.key(0))
+    >>> int(s.step)
+    0
+"""
+
+from __future__ import annotations
+
+import jax
+from flax.training import train_state
+
+from openhosti_jax.state.context import constrain_gradients
+
+
+class TrainState(train_state.TrainState):
+    """A `flax.training.train_state.TrainState` with a ``rng`` key that is split every step by `next_rng`.
+
+    ``apply_gradients`` constrains the gradients to the active plan's gradient shardings (ZeRO-2/3
+    reduce-scatter) when called inside an ``@openhosti_jax.spmd`` step.
+    """
+
+    rng: jax.Array
+
+    def apply_gradients(self, *, grads, **kwargs) -> TrainState:
+        return super().apply_gradients(grads=constrain_gradients(grads), **kwargs)
+
+    def next_rng(self) -> tuple[TrainState, jax.Array]:
+        """(state with a fresh key, a key to use for this step)."""
+        new, use = jax.random.split(self.rng)
+        return self.replace(rng=new), use
