@@ -69,7 +69,6 @@ def zero_specs(
         lambda leaf, base: auto_spec(leaf.shape, sizes, axes, min_elements=min_elements, taken=tuple(base)),
         params,
         base_specs,
-        is_leaf=lambda x: _is_spec(x) or hasattr(x, "shape"),
     )
     param_specs = sharded if stage >= 3 else base_specs
     grad_specs = sharded if stage >= 2 else base_specs

@@ -11,6 +11,8 @@ Example:
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 from flax.training import train_state
 
@@ -25,6 +27,8 @@ class TrainState(train_state.TrainState):
     """
 
     rng: jax.Array
+    model_state: Any = None
+    """Non-parameter model variables (nnx non-Param state, linen batch stats); not touched by the optimizer."""
 
     def apply_gradients(self, *, grads, **kwargs) -> TrainState:
         return super().apply_gradients(grads=constrain_gradients(grads), **kwargs)

@@ -1,0 +1,1 @@
+"""Bundled demo models (used by examples, the CLI demo, tests and benchmarks)."""
