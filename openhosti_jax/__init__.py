@@ -2,7 +2,19 @@
 
 from openhosti_jax import errors
 from openhosti_jax.mesh import MeshConfig, build_mesh, initialize_distributed
+from openhosti_jax.planner import ShardingPlan
+from openhosti_jax.state import TrainState, create_train_state
+from openhosti_jax.train import spmd
 
 __version__ = "0.1.0"
 
-__all__ = ["MeshConfig", "build_mesh", "errors", "initialize_distributed"]
+__all__ = [
+    "MeshConfig",
+    "ShardingPlan",
+    "TrainState",
+    "build_mesh",
+    "create_train_state",
+    "errors",
+    "initialize_distributed",
+    "spmd",
+]

@@ -19,7 +19,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import jax
 import optax
 from jax.sharding import NamedSharding
 
@@ -61,6 +60,6 @@ def make_train_step(
             mask_key=mask_key,
         )
         metrics = dict(metrics, grad_norm=optax.global_norm(grads))
-        return state.apply_gradients(grads=grads), jax.tree.map(lambda x: x, metrics)
+        return state.apply_gradients(grads=grads), metrics
 
     return train_step

@@ -1,0 +1,145 @@
+"""`ArrayDataset`: global batches from in-memory arrays, shuffled per epoch from a seed, resumable.
+
+Every process computes the same permutation (from ``seed`` and the epoch number) and reads only its own
+contiguous slice of each global batch: process ``p`` of ``P`` gets rows ``[p*B/P, (p+1)*B/P)`` of the global
+batch. The position is counted in global batches, so a state saved with one process count resumes with another
+(same global batch size). The last incomplete batch of an epoch is dropped, keeping every batch the same shape.
+
+Example:
+    >>> import numpy as np
+    >>> from openhosti_jax.data import ArrayDataset
+    >>> ds = ArrayDataset({"x": np.arange(10), "y": np.arange(10) * 2}, global_batch_size=4, seed=1)
+    >>> first = next(ds)
+    >>> first["x"].shape, ds.get_state()
+    ((4,), {'epoch': 0, 'position': 1, 'seed': 1})
+    >>> again = ArrayDataset({"x": np.arange(10), "y": np.arange(10) * 2}, global_batch_size=4)
+    >>> again.set_state(ds.get_state())
+    >>> bool(np.array_equal(next(again)["x"], next(ds)["x"]))
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from openhosti_jax.data.protocol import check_json_state
+from openhosti_jax.errors import BatchError
+
+
+def _process_layout(process_index: int | None, process_count: int | None) -> tuple[int, int]:
+    if process_index is None or process_count is None:
+        import jax
+
+        process_index = jax.process_index() if process_index is None else process_index
+        process_count = jax.process_count() if process_count is None else process_count
+    if process_count < 1 or not 0 <= process_index < process_count:
+        raise BatchError(
+            f"expected 0 <= process_index < process_count, found index {process_index}, count {process_count}"
+        )
+    return process_index, process_count
+
+
+class ArrayDataset:
+    """Iterator of ``dict[str, np.ndarray]`` batches (this process's rows of each global batch).
+
+    Args:
+        arrays: equal-length arrays (first axis = samples), e.g. ``{"tokens": ..., "labels": ...}``.
+        global_batch_size: samples per step over all processes; divisible by the process count.
+        shuffle: permute the samples every epoch (deterministically from ``seed`` and the epoch).
+        seed: the shuffling seed; saved in the state.
+        num_epochs: stop after this many epochs (``None``: never stop).
+        process_index, process_count: default to ``jax.process_index()`` / ``jax.process_count()``.
+    """
+
+    def __init__(
+        self,
+        arrays: Mapping[str, np.ndarray],
+        global_batch_size: int,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        num_epochs: int | None = None,
+        process_index: int | None = None,
+        process_count: int | None = None,
+    ) -> None:
+        if not arrays:
+            raise BatchError("ArrayDataset needs at least one array; found an empty mapping")
+        self._arrays = {str(k): np.asarray(v) for k, v in arrays.items()}
+        lengths = {k: (v.shape[0] if v.ndim else None) for k, v in self._arrays.items()}
+        if len(set(lengths.values())) != 1 or None in lengths.values():
+            raise BatchError(
+                f"expected arrays with the same first-axis length (samples), found lengths {lengths}; "
+                "slice them to a common number of samples"
+            )
+        self._n = next(iter(lengths.values()))
+        self._pi, self._pc = _process_layout(process_index, process_count)
+        if global_batch_size < 1 or global_batch_size % self._pc:
+            raise BatchError(
+                f"expected a positive global_batch_size divisible by the process count {self._pc}, "
+                f"found {global_batch_size}"
+            )
+        if global_batch_size > self._n:
+            raise BatchError(
+                f"global_batch_size {global_batch_size} exceeds the {self._n} samples; lower it or add data"
+            )
+        if num_epochs is not None and num_epochs < 1:
+            raise BatchError(f"expected num_epochs >= 1 or None, found {num_epochs}")
+        self.global_batch_size = global_batch_size
+        self.local_batch_size = global_batch_size // self._pc
+        self.shuffle = shuffle
+        self.num_epochs = num_epochs
+        self._seed = int(seed)
+        self._epoch = 0
+        self._position = 0
+        self._order: np.ndarray | None = None
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Global batches per epoch (the incomplete last batch is dropped)."""
+        return self._n // self.global_batch_size
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        """The sample order of ``epoch``: the same on every process and every run with this seed."""
+        if not self.shuffle:
+            return np.arange(self._n)
+        return np.random.default_rng([self._seed, epoch]).permutation(self._n)
+
+    def __iter__(self) -> ArrayDataset:
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        if self._position >= self.steps_per_epoch:
+            self._epoch, self._position, self._order = self._epoch + 1, 0, None
+        if self.num_epochs is not None and self._epoch >= self.num_epochs:
+            raise StopIteration
+        if self._order is None:
+            self._order = self.epoch_order(self._epoch)
+        start = self._position * self.global_batch_size + self._pi * self.local_batch_size
+        rows = self._order[start : start + self.local_batch_size]
+        self._position += 1
+        return {k: v[rows] for k, v in self._arrays.items()}
+
+    def get_state(self) -> dict[str, Any]:
+        """``{"epoch", "position", "seed"}``: the next batch is global batch ``position`` of ``epoch``."""
+        return {"epoch": self._epoch, "position": self._position, "seed": self._seed}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Continue from a `get_state` dict; its seed replaces this dataset's seed."""
+        check_json_state(state, "ArrayDataset.set_state")
+        missing = {"epoch", "position", "seed"} - set(state)
+        if missing:
+            raise BatchError(
+                f"ArrayDataset.set_state: expected keys epoch, position, seed; missing {sorted(missing)} "
+                f"in {state!r}; pass a dict from ArrayDataset.get_state()"
+            )
+        epoch, position = int(state["epoch"]), int(state["position"])
+        if epoch < 0 or not 0 <= position <= self.steps_per_epoch:
+            raise BatchError(
+                f"ArrayDataset.set_state: expected epoch >= 0 and 0 <= position <= {self.steps_per_epoch} "
+                f"(steps per epoch), found epoch {epoch}, position {position}; was the state saved for a "
+                "different dataset size or global batch size?"
+            )
+        self._seed, self._epoch, self._position, self._order = int(state["seed"]), epoch, position, None
