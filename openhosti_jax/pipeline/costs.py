@@ -46,12 +46,16 @@ class LayerCost:
     def __post_init__(self) -> None:
         bad = {k: v for k, v in vars(self).items() if not (np.isfinite(v) and v >= 0)}
         if bad:
-            raise PipelineError(f"LayerCost fields must be finite and >= 0, found {bad}; check the cost source")
+            raise PipelineError(
+                f"LayerCost fields must be finite and >= 0, found {bad}; check the cost source"
+            )
 
 
 def tree_bytes(tree: Any) -> int:
     """Total bytes of the arrays (or abstract arrays) in a pytree."""
-    return int(sum(np.prod(x.shape, dtype=np.int64) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
+    return int(
+        sum(np.prod(x.shape, dtype=np.int64) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+    )
 
 
 def layer_costs(
