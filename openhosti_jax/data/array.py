@@ -3,7 +3,7 @@
 Every process computes the same permutation (from ``seed`` and the epoch number) and reads only its own
 contiguous slice of each global batch: process ``p`` of ``P`` gets rows ``[p*B/P, (p+1)*B/P)`` of the global
 batch. The position is counted in global batches, so a state saved with one process count resumes with another
-(same global batch size). The last incomplete batch of an epoch is dropped, keeping every batch the same shape.
+(same global batch size). The last incomplete batch of an epoch is dropped, so every batch has one shape.
 
 Example:
     >>> import numpy as np
