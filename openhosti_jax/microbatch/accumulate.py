@@ -1,13 +1,13 @@
 """Gradient accumulation over microbatches with `lax.scan`, normalised by the number of real samples.
 
 The loss contract is *sum, count*: ``loss_fn(params, microbatch, rng) -> (loss_sum, num_real)`` (or
-``(loss_sum, (num_real, aux))`` with ``has_aux=True``), where ``loss_sum`` adds the loss of the real samples (or
-tokens) only and ``num_real`` counts them. Summing both over microbatches and dividing once at the end gives
-exactly the full-batch mean loss and gradient, whatever the padding or masking.
+``(loss_sum, (num_real, aux))`` with ``has_aux=True``), where ``loss_sum`` adds the loss of the real samples
+(or tokens) only and ``num_real`` counts them. Summing both over microbatches and dividing once at the end
+gives exactly the full-batch mean loss and gradient, whatever the padding or masking.
 
-When the batch does not split evenly, every leaf is padded with zeros along axis 0 and ``batch[mask_key]`` marks
-the real rows (an existing per-sample or per-token mask is padded with ``False``; a missing one is added with
-shape ``[batch]``). The loss must read that mask, e.g. ``jnp.sum(per_sample * mb["mask"])``.
+When the batch does not split evenly, every leaf is padded with zeros along axis 0 and ``batch[mask_key]``
+marks the real rows (an existing per-sample or per-token mask is padded with ``False``; a missing one is added
+with shape ``[batch]``). The loss must read that mask, e.g. ``jnp.sum(per_sample * mb["mask"])``.
 
 Example:
     >>> import jax, jax.numpy as jnp
@@ -103,8 +103,9 @@ def split_microbatches(
 ) -> Any:
     """Stack ``batch`` into ``[num_microbatches, microbatch, ...]`` leaves, padding (with a mask) if needed.
 
-    Microbatch ``i`` holds rows ``i, i + k, i + 2k, ...``: with the batch sharded on axis 0, every device keeps its
-    own rows and each microbatch is spread over all batch shards (no data moves unless padding is needed).
+    Microbatch ``i`` holds rows ``i, i + k, i + 2k, ...``: with the batch sharded on axis 0, every device
+    keeps its own rows and each microbatch is spread over all batch shards
+    (no data moves unless padding is needed).
     """
     n = batch_size_of(batch)
     size, padded = microbatch_layout(n, num_microbatches, _shard_count(microbatch_sharding))
@@ -126,7 +127,7 @@ def _check_sharding(name: str, value: Any) -> None:
     leaves = jax.tree.leaves(value, is_leaf=lambda s: isinstance(s, Sharding))
     bad = [type(s).__name__ for s in leaves if not isinstance(s, Sharding)]
     if bad:
-        raise ShardingError(f"expected {name} to be a Sharding or a pytree of them, found {bad}; pass NamedSharding")
+        raise ShardingError(f"expected {name} to be a Sharding or a pytree of Shardings, found {bad}")
 
 
 def accumulate_gradients(
@@ -153,7 +154,7 @@ def accumulate_gradients(
       has_aux: ``loss_fn`` returns ``(loss_sum, (num_real, aux))``; aux leaves are summed over microbatches.
       accum_sharding: sharding (or pytree of shardings matching ``params``) of the fp32 accumulator, e.g. the
         ZeRO gradient shardings, independent of how the compute is laid out.
-      microbatch_sharding: sharding of one microbatch's rows (e.g. ``NamedSharding(mesh, P(("data", "fsdp")))``).
+      microbatch_sharding: sharding of one microbatch's rows, e.g. ``NamedSharding(mesh, P(("data",)))``.
       accum_dtype: accumulator dtype; the returned gradients take each parameter's dtype.
       mask_key: where padding rows are marked when the batch does not split evenly.
 
@@ -164,8 +165,8 @@ def accumulate_gradients(
         _check_sharding("accum_sharding", accum_sharding)
     if microbatch_sharding is not None and not isinstance(microbatch_sharding, NamedSharding):
         raise ShardingError(
-            f"expected microbatch_sharding to be a NamedSharding, found {type(microbatch_sharding).__name__}; "
-            "build one with NamedSharding(mesh, PartitionSpec(('data', 'fsdp')))"
+            f"expected microbatch_sharding to be a NamedSharding, found "
+            f"{type(microbatch_sharding).__name__}; build one with NamedSharding(mesh, PartitionSpec('data'))"
         )
     stacked = split_microbatches(
         batch, num_microbatches, microbatch_sharding=microbatch_sharding, mask_key=mask_key

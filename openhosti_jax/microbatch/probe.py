@@ -1,10 +1,10 @@
-"""Per-device peak memory of a compiled step: XLA's buffer assignment first, an analytic bound where it is blank.
+"""Per-device peak memory of a compiled step: XLA's buffer assignment, else an analytic bound.
 
-`compiled_peak_bytes` reads ``compiled.memory_analysis()``; some GPU/TPU builds return all-zero fields, which
-mean *unknown* (``None``), never *zero*. `analytic_peak_bytes` is then a conservative upper bound from the cost
-model: the per-device argument and output bytes plus every byte the program touches (``cost_analysis()["bytes
-accessed"]``), which no set of live buffers can exceed. `peak_bytes` combines them; its ``fallback`` hook takes
-a better model (e.g. the planner's prediction).
+`compiled_peak_bytes` reads ``compiled.memory_analysis()``; some GPU/TPU builds return all-zero fields,
+which mean *unknown* (``None``), never *zero*. `analytic_peak_bytes` is then a conservative upper bound from
+the cost model: the per-device argument and output bytes plus every byte the program touches
+(``cost_analysis()[ "bytes accessed"]``), which no set of live buffers can exceed. `peak_bytes` combines them;
+its ``fallback`` hook takes a better model (e.g. the planner's prediction).
 
 Example:
     >>> import jax, jax.numpy as jnp

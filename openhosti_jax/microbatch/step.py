@@ -39,8 +39,9 @@ def make_train_step(
 ) -> TrainStep:
     """``train_step(state, batch) -> (state, metrics)`` over ``num_microbatches`` accumulated microbatches.
 
-    ``state`` is an `openhosti_jax.state.TrainState` (or any flax TrainState; one without an ``rng`` field passes
-    ``rng=None`` to ``loss_fn``). The step is not jitted: wrap it in ``jax.jit`` (donating the state) or ``@spmd``.
+    ``state`` is an `openhosti_jax.state.TrainState` (or any flax TrainState; one without an ``rng`` field
+    passes ``rng=None`` to ``loss_fn``). The step is not jitted: wrap it in ``jax.jit`` (donating the state)
+    or ``@spmd``.
     Metrics: ``loss`` (mean over real samples), ``num_real``, ``grad_norm`` and ``aux`` with ``has_aux``.
     """
 
