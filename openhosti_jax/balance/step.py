@@ -1,0 +1,171 @@
+"""The balanced gradient step: an uneven local accumulation loop per device, one reduction at the end.
+
+Each device of the data axis gets a buffer of ``capacity`` microbatches and accumulates its first ``n_i``
+(``counts[i]``) inside `jax.shard_map` with no collective: the parameters are made *varying* with
+``lax.pcast(..., to="varying")`` first, because `jax.grad` with respect to a replicated input inserts a hidden
+``psum`` that deadlocks when devices run different trip counts. One ``psum`` of (loss sum, gradient sum, real
+sample count) then gives the exact global mean over real samples, whatever the assignment. Microbatch ``k`` of
+the global order gets the key ``fold_in(rng, k)``, so dropout is assignment-independent too.
+
+The loss contract is that of `openhosti_jax.microbatch`: ``loss_fn(params, microbatch, rng) -> (loss_sum,
+num_real)``.
+
+Example:
+    >>> import jax, jax.numpy as jnp, numpy as np
+    >>> from openhosti_jax.balance import make_balanced_grad_fn, place_microbatches
+    >>> mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+    >>> loss_fn = lambda p, mb, rng: (jnp.sum((mb["x"] * p["w"]) ** 2), jnp.float32(mb["x"].shape[0]))
+    >>> mbs = {"x": np.arange(16.0, dtype=np.float32).reshape(8, 2)}
+    >>> step = make_balanced_grad_fn(loss_fn, mesh, capacity=4)
+    >>> buf = place_microbatches(mbs, (4, 1, 2, 1), 4, mesh)
+    >>> loss, grads, n = step({"w": jnp.float32(1.0)}, buf, (4, 1, 2, 1), jax.random.key(0))
+    >>> round(float(loss), 3), round(float(grads["w"]), 3), int(n)
+    (77.5, 155.0, 16)
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from openhosti_jax.balance.buffer import validate_counts
+from openhosti_jax.balance.throttle import Throttle
+from openhosti_jax.errors import BalanceError
+
+LossFn = Callable[[Any, Any, jax.Array], tuple[jax.Array, jax.Array]]
+"""``(params, microbatch, rng) -> (loss_sum, num_real)``."""
+
+
+def _varying(x: Any, axis: str) -> Any:
+    return jax.tree_util.tree_map(lambda a: jax.lax.pcast(a, axis, to="varying"), x)
+
+
+def _local_phase(loss_fn: LossFn, axis: str, params, buffer, counts, rng, extra):
+    """Per-device partial sums ``(loss_sum, n_real, grad_sum, sink)``, each with a leading axis of 1."""
+    i = jax.lax.axis_index(axis)
+    n = counts[i]
+    offset = jnp.cumsum(counts)[i] - n
+    params = _varying(params, axis)
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def one(j):
+        mb = jax.tree_util.tree_map(lambda b: jax.lax.dynamic_index_in_dim(b, j, keepdims=False), buffer)
+        return mb, jax.random.fold_in(rng, offset + j)
+
+    def body(j, carry):
+        loss_acc, n_acc, g_acc, sink = carry
+        mb, key = one(j)
+        (loss, n_real), g = grad_fn(params, mb, key)
+        if extra is not None:
+            sink = _extra_work(grad_fn, params, mb, key, extra[i], sink)
+        g_acc = jax.tree_util.tree_map(lambda a, b: a + b.astype(a.dtype), g_acc, g)
+        return loss_acc + loss.astype(jnp.float32), n_acc + jnp.asarray(n_real, jnp.float32), g_acc, sink
+
+    zero = jax.lax.pcast(jnp.zeros((), jnp.float32), axis, to="varying")
+    g0 = jax.tree_util.tree_map(jnp.zeros_like, params)  # varying, like params
+    out = jax.lax.fori_loop(0, n, body, (zero, zero, g0, zero))
+    return jax.tree_util.tree_map(lambda a: a[None], out)
+
+
+def _extra_work(grad_fn, params, mb, key, repeats, sink):
+    """``repeats`` more gradients at ``params + 1e-30 * s``: a loop-carried point XLA cannot hoist."""
+
+    def again(_, s):
+        p = jax.tree_util.tree_map(lambda a: a + (s * 1e-30).astype(a.dtype), params)
+        (loss, _), g = grad_fn(p, mb, key)
+        return s + loss.astype(jnp.float32) * 1e-30 + jnp.sum(jax.tree_util.tree_leaves(g)[0]) * 1e-30
+
+    return jax.lax.fori_loop(0, repeats, again, sink)
+
+
+class BalancedGradFn:
+    """``fn(params, buffer, counts, rng) -> (loss, grads, n_real)`` over an uneven assignment; see module doc.
+
+    ``probe(...)`` returns the same result plus each data position's local-phase seconds, measured by running
+    the local phase alone and blocking on each addressable shard from its own thread (NaN for positions owned
+    by other processes; `Monitor.observe` gathers them).
+    """
+
+    def __init__(self, loss_fn: LossFn, mesh: Mesh, axis: str, capacity: int, throttle: Throttle | None):
+        if axis not in mesh.axis_names:
+            raise BalanceError(f"expected axis {axis!r} in the mesh axes {mesh.axis_names}; pass axis=")
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise BalanceError(f"expected capacity to be an int >= 1 (slots per device), found {capacity!r}")
+        self.mesh, self.axis, self.capacity = mesh, axis, capacity
+        self.size = mesh.shape[axis]
+        if throttle is not None and len(throttle.factors) != self.size:
+            raise BalanceError(
+                f"expected a Throttle with {self.size} factors (the {axis!r} axis size), "
+                f"found {len(throttle.factors)}"
+            )
+        self.throttle = throttle
+        self._replicated = NamedSharding(mesh, PartitionSpec())
+        self._extra = None if throttle is None else jax.device_put(throttle.extra, self._replicated)
+        rep, data = PartitionSpec(), PartitionSpec(axis)
+        local = partial(_local_phase, loss_fn, axis)
+        if throttle is None:
+            local_fn, in_specs = (lambda p, b, c, r: local(p, b, c, r, None)), (rep, data, rep, rep)
+        else:
+            local_fn, in_specs = local, (rep, data, rep, rep, rep)
+        partials = jax.shard_map(local_fn, mesh=mesh, in_specs=in_specs, out_specs=PartitionSpec(axis))
+        self._local = jax.jit(partials)
+        self._fused = jax.jit(lambda *args: _reduce(partials(*args)))
+        self._reduce = jax.jit(_reduce)
+
+    def _args(self, params, buffer, counts, rng) -> tuple:
+        counts = validate_counts(counts, self.size, self.capacity)
+        for x in jax.tree_util.tree_leaves(buffer):
+            if np.shape(x)[:1] != (self.size * self.capacity,):
+                raise BalanceError(
+                    f"expected buffer leaves with leading dim {self.size}*{self.capacity}="
+                    f"{self.size * self.capacity} (devices x capacity), found shape {np.shape(x)}; "
+                    "build it with place_microbatches(...)"
+                )
+        args = (params, buffer, jax.device_put(counts, self._replicated), rng)
+        return args if self._extra is None else (*args, self._extra)
+
+    def __call__(self, params, buffer, counts: Sequence[int], rng: jax.Array):
+        loss, grads, n_real, _ = self._fused(*self._args(params, buffer, counts, rng))
+        return loss, grads, n_real
+
+    def probe(self, params, buffer, counts: Sequence[int], rng: jax.Array):
+        """``((loss, grads, n_real), seconds)``; ``seconds[i]``: local phase time of data position i."""
+        args = self._args(params, buffer, counts, rng)
+        t0 = time.perf_counter()
+        partials = self._local(*args)
+        seconds = np.full(self.size, -np.inf)
+
+        def wait(shard):
+            shard.data.block_until_ready()
+            pos = shard.index[0].start or 0
+            seconds[pos] = max(seconds[pos], time.perf_counter() - t0)
+
+        threads = [threading.Thread(target=wait, args=(s,)) for s in partials[1].addressable_shards]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        seconds[np.isneginf(seconds)] = np.nan
+        loss, grads, n_real, _ = self._reduce(partials)
+        return (loss, grads, n_real), seconds
+
+
+def _reduce(partials):
+    loss, n_real, grads, sink = jax.tree_util.tree_map(lambda a: jnp.sum(a, axis=0), partials)
+    grads = jax.tree_util.tree_map(lambda g: g / n_real.astype(g.dtype), grads)
+    return loss / n_real, grads, n_real, sink
+
+
+def make_balanced_grad_fn(
+    loss_fn: LossFn, mesh: Mesh, *, axis: str = "data", capacity: int, throttle: Throttle | None = None
+) -> BalancedGradFn:
+    """A `BalancedGradFn` over ``mesh[axis]`` with ``capacity`` microbatch slots per device."""
+    return BalancedGradFn(loss_fn, mesh, axis, capacity, throttle)
