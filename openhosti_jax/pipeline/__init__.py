@@ -1,0 +1,51 @@
+"""Pipeline parallelism: layer costs, exact stage partitioning, schedules as data, a simulator, an SPMD executor.
+
+Example:
+    >>> from openhosti_jax.pipeline import gpipe, simulate
+    >>> round(simulate(gpipe(4, 4), 1.0).bubble_fraction, 3)
+    0.429
+"""
+
+from openhosti_jax.pipeline.costs import LayerCost, layer_costs, split_modules, tree_bytes
+from openhosti_jax.pipeline.executor import make_pipeline_step, pipeline_value_and_grad
+from openhosti_jax.pipeline.partition import (
+    StageCostModel,
+    StagePartition,
+    evaluate_partition,
+    objective_value,
+    partition,
+)
+from openhosti_jax.pipeline.schedule import (
+    Action,
+    Schedule,
+    gpipe,
+    interleaved_one_f_one_b,
+    make_schedule,
+    one_f_one_b,
+)
+from openhosti_jax.pipeline.simulate import SimResult, simulate
+from openhosti_jax.pipeline.ticks import TickTable, tick_table
+
+__all__ = [
+    "Action",
+    "LayerCost",
+    "Schedule",
+    "SimResult",
+    "StageCostModel",
+    "StagePartition",
+    "TickTable",
+    "evaluate_partition",
+    "gpipe",
+    "interleaved_one_f_one_b",
+    "layer_costs",
+    "make_pipeline_step",
+    "make_schedule",
+    "objective_value",
+    "one_f_one_b",
+    "partition",
+    "pipeline_value_and_grad",
+    "simulate",
+    "split_modules",
+    "tick_table",
+    "tree_bytes",
+]

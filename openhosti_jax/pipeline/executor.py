@@ -1,0 +1,218 @@
+"""SPMD pipeline executor: `jax.shard_map` over the mesh's ``stage`` axis, `lax.ppermute` between neighbours.
+
+Stages may have entirely different parameter structures and activation shapes. Each chunk's parameters are
+flattened into one row of a padded ``(V, S, N)`` buffer sharded over ``stage`` (stage ``d`` holds chunks
+``v * S + d``); activations between chunks travel as padded flat vectors. Every device scans the schedule's
+`TickTable` and picks its chunk's forward or backward body with `lax.switch` on the table entry, so one SPMD
+program runs different code per stage. Backward recomputes the chunk's forward from its stored input (only stage
+inputs stay in flight). The batch is split over the ``data`` and ``fsdp`` axes; gradients are averaged over them
+once, after the schedule.
+
+Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from openhosti_jax.mesh import MeshConfig, build_mesh
+    >>> from openhosti_jax.pipeline import evaluate_partition, gpipe, LayerCost
+    >>> mesh = build_mesh(MeshConfig(stage=2, data=4))
+    >>> layers = [lambda p, x: jnp.tanh(x @ p)] * 2
+    >>> params = [jnp.eye(3), 2 * jnp.eye(3)]
+    >>> cut = evaluate_partition([LayerCost(1, 1, 1, 1, 1, 1)] * 2, (0, 1, 2), 2)
+    >>> step = make_pipeline_step(layers, lambda y, t: jnp.mean((y - t) ** 2), mesh, cut, gpipe(2, 2))
+    >>> loss, grads = step(params, (jnp.ones((8, 3)), jnp.zeros((8, 3))))
+    >>> bool(jnp.allclose(loss, jnp.mean(jnp.tanh(2 * jnp.tanh(1.0)) ** 2)))
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.flatten_util import ravel_pytree
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from openhosti_jax.errors import BatchError, PipelineError
+from openhosti_jax.mesh import BATCH_AXES, mesh_sizes
+from openhosti_jax.pipeline.costs import Layer
+from openhosti_jax.pipeline.partition import StagePartition
+from openhosti_jax.pipeline.schedule import Schedule
+from openhosti_jax.pipeline.ticks import BACKWARD, FORWARD, tick_table
+
+LossFn = Callable[[Any, Any], jax.Array]
+Batch = tuple[Any, Any]
+
+
+def _check(layers: Sequence[Layer], mesh: Mesh, partition: StagePartition, schedule: Schedule) -> None:
+    sizes = mesh_sizes(mesh)
+    problems = []
+    if "stage" not in sizes:
+        problems.append(f"the mesh has no 'stage' axis (axes {mesh.axis_names}); build it with build_mesh")
+    elif sizes["stage"] != schedule.num_stages:
+        problems.append(f"schedule has S={schedule.num_stages} but the mesh's stage axis is {sizes['stage']}")
+    if partition.num_stages != schedule.num_chunks:
+        problems.append(
+            f"partition has {partition.num_stages} stages but the schedule runs {schedule.num_chunks} chunks "
+            f"(S={schedule.num_stages} x V={schedule.num_virtual}); partition into {schedule.num_chunks}"
+        )
+    if partition.num_layers != len(layers):
+        problems.append(f"partition cuts {partition.num_layers} layers but {len(layers)} were given")
+    if problems:
+        raise PipelineError("pipeline request does not fit: " + "; ".join(problems))
+
+
+def make_pipeline_step(
+    layers: Sequence[Layer],
+    loss_fn: LossFn,
+    mesh: Mesh,
+    partition: StagePartition,
+    schedule: Schedule,
+) -> Callable[[Sequence[Any], Batch], tuple[jax.Array, list[Any]]]:
+    """A jitted ``step(params, (inputs, targets)) -> (loss, grads)`` running ``schedule`` over ``mesh``.
+
+    ``params[i]`` is layer ``i``'s pytree; ``loss_fn(outputs, targets)`` is a mean over examples; the loss and the
+    gradients equal those of ``loss_fn(model(inputs), targets)`` on the whole batch.
+    """
+    _check(layers, mesh, partition, schedule)
+    sizes = mesh_sizes(mesh)
+    s, v_count, m_count, n_chunks = (
+        schedule.num_stages,
+        schedule.num_virtual,
+        schedule.num_microbatches,
+        schedule.num_chunks,
+    )
+    batch_axes = tuple(a for a in BATCH_AXES if a in sizes)
+    replicas = int(np.prod([sizes[a] for a in batch_axes]))
+    ticks = tick_table(schedule)
+    table = jnp.asarray(ticks.table)
+    chunk_layers = [[layers[i] for i in r] for r in partition.stages]
+
+    @jax.jit
+    def step(params: Sequence[Any], batch: Batch) -> tuple[jax.Array, list[Any]]:
+        params = list(params)
+        inputs, targets = batch
+        n_batch = {x.shape[0] for x in jax.tree.leaves(batch)}
+        if len(n_batch) != 1 or next(iter(n_batch)) % (replicas * m_count):
+            raise BatchError(
+                f"expected every batch leaf to share a leading size divisible by {replicas} replicas x "
+                f"{m_count} microbatches, found leading sizes {sorted(n_batch)}; pad or resize the batch"
+            )
+        mb = next(iter(n_batch)) // (replicas * m_count)
+        chunk_params = [tuple(params[i] for i in r) for r in partition.stages]
+        flats, unravels = zip(*(ravel_pytree(cp) for cp in chunk_params), strict=True)
+        widths = [f.size for f in flats]
+        n_max = max(max(widths), 1)
+        p_dtype = jnp.result_type(*[f.dtype for f in flats if f.size] or [jnp.float32])
+        rows = [jnp.pad(f.astype(p_dtype), (0, n_max - f.size)) for f in flats]
+        packed = jnp.stack([jnp.stack(rows[v * s : (v + 1) * s]) for v in range(v_count)])
+
+        micro = lambda x: jax.ShapeDtypeStruct((mb, *x.shape[1:]), x.dtype)
+        h = jax.tree.map(micro, inputs)
+        bounds = []  # abstract activation entering chunk c + 1
+        for c in range(n_chunks - 1):
+            for layer, li in zip(chunk_layers[c], partition.stages[c], strict=True):
+                h = jax.eval_shape(layer, params[li], h)
+            bounds.append(h)
+        for c, b in enumerate(bounds):
+            if any(not jnp.issubdtype(x.dtype, jnp.floating) for x in jax.tree.leaves(b)):
+                raise PipelineError(f"the activation after chunk {c} is not floating point ({b}); cut elsewhere")
+        packers = [ravel_pytree(jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), b)) for b in bounds]
+        a_max = max([p[0].size for p in packers] + [1])
+        a_dtype = jnp.result_type(*[p[0].dtype for p in packers] or [jnp.float32])
+
+        def fwd(c: int, row: jax.Array, a_in: jax.Array, x: Any, y: Any) -> tuple[jax.Array, jax.Array]:
+            p = unravels[c](row[: widths[c]])
+            h = x if c == 0 else packers[c - 1][1](a_in[: packers[c - 1][0].size])
+            for layer, lp in zip(chunk_layers[c], p, strict=True):
+                h = layer(lp, h)
+            if c == n_chunks - 1:
+                return jnp.zeros(a_max, a_dtype), loss_fn(h, y).astype(jnp.float32)
+            flat = ravel_pytree(h)[0].astype(a_dtype)
+            return jnp.pad(flat, (0, a_max - flat.size)), jnp.zeros((), jnp.float32)
+
+        def forward_branch(c: int, prow, a_in, g_in, x, y):
+            out, loss = fwd(c, prow[c // s], a_in, x, y)
+            return out, jnp.zeros_like(a_in), jnp.zeros(n_max, p_dtype), loss / m_count
+
+        def backward_branch(c: int, prow, a_in, g_in, x, y):
+            _, vjp = jax.vjp(lambda r, a: fwd(c, r, a, x, y), prow[c // s], a_in)
+            g_row, g_a = vjp((g_in, jnp.asarray(1.0 / m_count, jnp.float32)))
+            return jnp.zeros_like(a_in), g_a, g_row, jnp.zeros((), jnp.float32)
+
+        def idle_branch(prow, a_in, g_in, x, y):
+            return jnp.zeros_like(a_in), jnp.zeros_like(a_in), jnp.zeros(n_max, p_dtype), jnp.zeros((), jnp.float32)
+
+        branches = [idle_branch]
+        branches += [partial(forward_branch, c) for c in range(n_chunks)]
+        branches += [partial(backward_branch, c) for c in range(n_chunks)]
+        to_next = [(i, (i + 1) % s) for i in range(s)]
+        to_prev = [(i, (i - 1) % s) for i in range(s)]
+
+        def body(prow, xs, ys):
+            prow = prow[:, 0]
+            d = lax.axis_index("stage")
+            xs = jax.tree.map(lambda x: x.reshape(m_count, mb, *x.shape[1:]), xs)
+            ys = jax.tree.map(lambda x: x.reshape(m_count, mb, *x.shape[1:]), ys)
+            carry = (
+                jnp.zeros((ticks.num_act_slots + 1, a_max), a_dtype),
+                jnp.zeros((ticks.num_grad_slots + 1, a_max), a_dtype),
+                jnp.zeros_like(prow),
+                jnp.zeros((), jnp.float32),
+            )
+
+            def tick(carry, row):
+                acts, grads, g_acc, loss = carry
+                op, c, m, a_slot, g_slot, ra_slot, rg_slot = (row[d, k] for k in range(7))
+                branch = jnp.where(op == FORWARD, 1 + c, jnp.where(op == BACKWARD, 1 + n_chunks + c, 0))
+                x = jax.tree.map(lambda t: t[m], xs)
+                y = jax.tree.map(lambda t: t[m], ys)
+                out, g_out, g_row, l_add = lax.switch(branch, branches, prow, acts[a_slot], grads[g_slot], x, y)
+                g_acc = g_acc.at[c // s].add(g_row)
+                acts = acts.at[ra_slot].set(lax.ppermute(out, "stage", to_next))
+                grads = grads.at[rg_slot].set(lax.ppermute(g_out, "stage", to_prev))
+                return (acts, grads, g_acc, loss + l_add), None
+
+            (_, _, g_acc, loss), _ = lax.scan(tick, carry, table)
+            loss = lax.psum(loss, "stage")
+            if batch_axes:
+                g_acc = lax.psum(g_acc, batch_axes) / replicas
+                loss = lax.psum(loss, batch_axes) / replicas
+            return loss, g_acc[:, None]
+
+        spec_batch = P(batch_axes or None)
+        run = jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(P(None, "stage", None), spec_batch, spec_batch),
+            out_specs=(P(), P(None, "stage", None)),
+            check_vma=False,
+        )
+        loss, g_packed = run(packed, inputs, targets)
+        grads: list[Any] = [None] * len(params)
+        for c, r in enumerate(partition.stages):
+            g_chunk = unravels[c](g_packed[c // s, c % s, : widths[c]].astype(flats[c].dtype))
+            for li, g in zip(r, g_chunk, strict=True):
+                grads[li] = g
+        return loss, grads
+
+    return step
+
+
+def pipeline_value_and_grad(
+    layers: Sequence[Layer],
+    params: Sequence[Any],
+    batch: Batch,
+    loss_fn: LossFn,
+    mesh: Mesh,
+    partition: StagePartition,
+    schedule: Schedule,
+) -> tuple[jax.Array, list[Any]]:
+    """Loss and per-layer gradients of ``loss_fn(model(inputs), targets)``, computed by the pipeline.
+
+    One-shot form of `make_pipeline_step` (which keep the compiled step for reuse).
+    """
+    return make_pipeline_step(layers, loss_fn, mesh, partition, schedule)(params, batch)
