@@ -1,7 +1,18 @@
 """Dynamic load balancing: slow devices and hosts get fewer microbatches; the gradient stays exact."""
 
 from openhosti_jax.balance.buffer import pack_microbatches, place_microbatches
+from openhosti_jax.balance.monitor import Monitor
+from openhosti_jax.balance.rebalancer import Rebalancer, describe_assignment
 from openhosti_jax.balance.step import BalancedGradFn, make_balanced_grad_fn
 from openhosti_jax.balance.throttle import Throttle
 
-__all__ = ["BalancedGradFn", "Throttle", "make_balanced_grad_fn", "pack_microbatches", "place_microbatches"]
+__all__ = [
+    "BalancedGradFn",
+    "Monitor",
+    "Rebalancer",
+    "Throttle",
+    "describe_assignment",
+    "make_balanced_grad_fn",
+    "pack_microbatches",
+    "place_microbatches",
+]

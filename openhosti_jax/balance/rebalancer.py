@@ -1,0 +1,142 @@
+"""`Rebalancer`: per-device microbatch counts proportional to measured speed, with hysteresis.
+
+Counts are the largest-remainder rounding of the speed-proportional ideal, clipped to ``1..capacity`` for live
+devices (0 for failed ones) by water-filling (a bisection on the proportionality constant). A new assignment
+replaces the current one only when it shortens the predicted step time (``max_i n_i / speed_i``) by more than
+``hysteresis``, so noise does not make counts oscillate. Pure numpy in float64 with index tie-breaks: every
+process given the same speeds computes the same counts.
+Example:
+    >>> from openhosti_jax.balance import Rebalancer
+    >>> rb = Rebalancer(total=28, size=4, capacity=12)
+    >>> rb.assign([1.0, 1.0, 1.0, 0.5])
+    (8, 8, 8, 4)
+    >>> rb.update((7, 7, 7, 7), [1.0, 1.0, 1.02, 0.99])
+    (7, 7, 7, 7)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from openhosti_jax.errors import BalanceError
+
+
+@dataclass(frozen=True)
+class Rebalancer:
+    """Turns per-device speeds into integer microbatch counts for one step."""
+
+    total: int
+    """Microbatches per step (the sum of the counts)."""
+    size: int
+    """Data-parallel devices."""
+    capacity: int
+    """Buffer slots per device: the most microbatches one device can take."""
+    hysteresis: float = 0.05
+    """Adopt a new assignment only if its predicted step time is this fraction below the current one's."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name in ("total", "size", "capacity"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                problems.append(f"{name}={v!r} (expected an int >= 1)")
+        if not 0.0 <= self.hysteresis < 1.0:
+            problems.append(f"hysteresis={self.hysteresis!r} (expected 0 <= h < 1)")
+        if not problems and self.size * self.capacity < self.total:
+            problems.append(
+                f"size*capacity={self.size * self.capacity} < total={self.total}: raise capacity to at least "
+                f"{-(-self.total // self.size)} (2x that leaves room to rebalance)"
+            )
+        if not problems and self.total < self.size:
+            problems.append(f"total={self.total} < size={self.size}: every live device needs >= 1 microbatch")
+        if problems:
+            raise BalanceError("invalid Rebalancer: " + "; ".join(problems))
+
+    def even(self) -> tuple[int, ...]:
+        """Equal split (the first ``total % size`` devices get one more)."""
+        q, r = divmod(self.total, self.size)
+        return tuple(q + (i < r) for i in range(self.size))
+
+    def _bounds(self, failed: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        bad = [f for f in failed if not 0 <= f < self.size]
+        if bad:
+            raise BalanceError(f"failed devices {bad} are outside 0..{self.size - 1}")
+        lo, hi = np.ones(self.size, np.int64), np.full(self.size, self.capacity, np.int64)
+        lo[list(failed)] = hi[list(failed)] = 0
+        if not lo.sum() <= self.total <= hi.sum():
+            raise BalanceError(
+                f"cannot place {self.total} microbatches on {self.size - len(set(failed))} live devices with "
+                f"1..{self.capacity} each; raise capacity or lower the step's microbatches"
+            )
+        return lo, hi
+
+    def _speeds(self, speeds: Sequence[float], failed: Sequence[int]) -> np.ndarray:
+        s = np.asarray(speeds, np.float64)
+        live = np.ones(self.size, bool)
+        live[list(failed)] = False
+        if s.shape != (self.size,) or not (np.isfinite(s[live]) & (s[live] > 0)).all():
+            raise BalanceError(
+                f"expected {self.size} finite positive speeds (microbatches per second) for live devices, "
+                f"found {np.asarray(speeds).tolist()}; use Monitor.speeds after at least one probe"
+            )
+        return np.where(live, s, 0.0)
+
+    def ideal(self, speeds: Sequence[float], failed: Sequence[int] = ()) -> np.ndarray:
+        """Real-valued counts ``clip(lam * speed, lo, hi)`` with ``lam`` chosen so that they sum to total."""
+        lo, hi = self._bounds(failed)
+        s = self._speeds(speeds, failed)
+        fill = lambda lam: np.clip(lam * s, lo, hi)
+        a, b = 0.0, self.capacity / s[s > 0].min()  # fill(b) is all hi >= total
+        for _ in range(200):  # bisection on the proportionality constant: sum(fill) is monotone in it
+            mid = 0.5 * (a + b)
+            a, b = (mid, b) if fill(mid).sum() < self.total else (a, mid)
+        return fill(b)
+
+    def assign(self, speeds: Sequence[float], failed: Sequence[int] = ()) -> tuple[int, ...]:
+        """Largest-remainder integer counts of `ideal` (ties go to the lower device index)."""
+        lo, hi = self._bounds(failed)
+        x = self.ideal(speeds, failed)
+        n = np.clip(np.floor(x + 1e-9).astype(np.int64), lo, hi)
+        rest = self.total - int(n.sum())
+        order = sorted(range(self.size), key=lambda i: (-(x[i] - n[i]), i))
+        for i in order:
+            if rest <= 0:
+                break
+            if n[i] < hi[i]:
+                n[i] += 1
+                rest -= 1
+        return tuple(int(v) for v in n)
+
+    def predicted_time(
+        self, counts: Sequence[int], speeds: Sequence[float], failed: Sequence[int] = ()
+    ) -> float:
+        """``max_i counts_i / speed_i``: the step time of ``counts`` at ``speeds`` (inf if infeasible)."""
+        s = self._speeds(speeds, failed)
+        c = np.asarray(counts, np.float64)
+        if (c[s == 0] > 0).any():
+            return float("inf")
+        live = s > 0
+        return float(np.max(c[live] / s[live]))
+
+    def update(
+        self, current: Sequence[int], speeds: Sequence[float], failed: Sequence[int] = ()
+    ) -> tuple[int, ...]:
+        """`assign`, unless ``current`` is valid and within ``hysteresis`` of it in predicted step time."""
+        new = self.assign(speeds, failed)
+        cur = np.asarray(current, np.int64)
+        lo, hi = self._bounds(failed)
+        valid = cur.shape == (self.size,) and cur.sum() == self.total and ((cur >= lo) & (cur <= hi)).all()
+        if not valid:
+            return new
+        t_cur = self.predicted_time(cur, speeds, failed)
+        t_new = self.predicted_time(new, speeds, failed)
+        return new if t_new < (1.0 - self.hysteresis) * t_cur else tuple(int(v) for v in cur)
+
+
+def describe_assignment(counts: Sequence[int]) -> str | None:
+    """``"mb/device 9/9/8/2"`` when the counts are uneven (for a progress line), else None."""
+    counts = [int(c) for c in counts]
+    return None if max(counts) - min(counts) <= 1 else "mb/device " + "/".join(map(str, counts))
