@@ -1,5 +1,6 @@
 """Dynamic load balancing: slow devices and hosts get fewer microbatches; the gradient stays exact."""
 
+from openhosti_jax.balance.balancer import Balancer
 from openhosti_jax.balance.buffer import pack_microbatches, place_microbatches
 from openhosti_jax.balance.monitor import Monitor
 from openhosti_jax.balance.rebalancer import Rebalancer, describe_assignment
@@ -8,6 +9,7 @@ from openhosti_jax.balance.throttle import Throttle
 
 __all__ = [
     "BalancedGradFn",
+    "Balancer",
     "Monitor",
     "Rebalancer",
     "Throttle",
