@@ -119,7 +119,9 @@ def make_pipeline_step(
             bounds.append(h)
         for c, b in enumerate(bounds):
             if any(not jnp.issubdtype(x.dtype, jnp.floating) for x in jax.tree.leaves(b)):
-                raise PipelineError(f"the activation after chunk {c} is not floating point ({b}); cut elsewhere")
+                raise PipelineError(
+                    f"the activation after chunk {c} is not floating point ({b}); cut elsewhere"
+                )
         packers = [ravel_pytree(jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), b)) for b in bounds]
         a_max = max([p[0].size for p in packers] + [1])
         a_dtype = jnp.result_type(*[p[0].dtype for p in packers] or [jnp.float32])
@@ -144,7 +146,12 @@ def make_pipeline_step(
             return jnp.zeros_like(a_in), g_a, g_row, jnp.zeros((), jnp.float32)
 
         def idle_branch(prow, a_in, g_in, x, y):
-            return jnp.zeros_like(a_in), jnp.zeros_like(a_in), jnp.zeros(n_max, p_dtype), jnp.zeros((), jnp.float32)
+            return (
+                jnp.zeros_like(a_in),
+                jnp.zeros_like(a_in),
+                jnp.zeros(n_max, p_dtype),
+                jnp.zeros((), jnp.float32),
+            )
 
         branches = [idle_branch]
         branches += [partial(forward_branch, c) for c in range(n_chunks)]
@@ -170,7 +177,9 @@ def make_pipeline_step(
                 branch = jnp.where(op == FORWARD, 1 + c, jnp.where(op == BACKWARD, 1 + n_chunks + c, 0))
                 x = jax.tree.map(lambda t: t[m], xs)
                 y = jax.tree.map(lambda t: t[m], ys)
-                out, g_out, g_row, l_add = lax.switch(branch, branches, prow, acts[a_slot], grads[g_slot], x, y)
+                out, g_out, g_row, l_add = lax.switch(
+                    branch, branches, prow, acts[a_slot], grads[g_slot], x, y
+                )
                 g_acc = g_acc.at[c // s].add(g_row)
                 acts = acts.at[ra_slot].set(lax.ppermute(out, "stage", to_next))
                 grads = grads.at[rg_slot].set(lax.ppermute(g_out, "stage", to_prev))

@@ -69,7 +69,11 @@ def tick_table(schedule: Schedule) -> TickTable:
     at = {}  # (tick, stage) -> (op, chunk, microbatch)
     for d, line in enumerate(sim.timeline):
         for a, start, _ in line:
-            at[(int(round(start)), d)] = (FORWARD if a.kind == "F" else BACKWARD, schedule.chunk(d, a), a.microbatch)
+            at[(int(round(start)), d)] = (
+                FORWARD if a.kind == "F" else BACKWARD,
+                schedule.chunk(d, a),
+                a.microbatch,
+            )
     acts = [_Slots() for _ in range(s)]
     grads = [_Slots() for _ in range(s)]
     arrivals: list[list[tuple[int, str, int, int]]] = [[] for _ in range(ticks)]
