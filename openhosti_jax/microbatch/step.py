@@ -60,7 +60,7 @@ def make_train_step(
             microbatch_sharding=microbatch_sharding,
             mask_key=mask_key,
         )
-        metrics = dict(metrics, grad_norm=optax.global_norm(grads))
+        metrics = dict(metrics, grad_norm=optax.tree.norm(grads))
         return state.apply_gradients(grads=grads), metrics
 
     return train_step
