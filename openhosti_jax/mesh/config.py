@@ -96,9 +96,7 @@ class MeshConfig:
         sizes = {n: fixed[n] for n in AXES}
         for k, v in self.dcn.items():
             if sizes[k] % v:
-                raise MeshConfigError(
-                    f"dcn[{k!r}]={v} does not divide the {k} axis size {sizes[k]}; pick a divisor"
-                )
+                raise MeshConfigError(f"dcn[{k!r}]={v} does not divide the {k} axis size {sizes[k]}; pick a divisor")
         return sizes
 
     @staticmethod

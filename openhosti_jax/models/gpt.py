@@ -64,8 +64,15 @@ class GPTConfig:
     def num_params(self) -> int:
         """Exact parameter count (embeddings included)."""
         d, h = self.d_model, self.d_model * self.mlp_ratio
-        block = 2 * 2 * d + 4 * d * d + 4 * d + d * h + h + h * d + d
-        return self.vocab_size * d + self.seq_len * d + self.n_layers * block + 2 * d + d * self.vocab_size + self.vocab_size
+        block = 2 * 2 * d + 4 * d * d + d + d * h + h + h * d + d
+        return (
+            self.vocab_size * d
+            + self.seq_len * d
+            + self.n_layers * block
+            + 2 * d
+            + d * self.vocab_size
+            + self.vocab_size
+        )
 
     def flops_per_token(self) -> int:
         """Training FLOPs per token (forward + backward = 3x forward matmuls, attention included)."""
@@ -81,7 +88,7 @@ class Block(nnx.Module):
         d, dt = cfg.d_model, jnp.dtype(cfg.dtype)
         self.cfg = cfg
         self.ln1 = nnx.LayerNorm(d, rngs=rngs, dtype=dt)
-        self.qkv = nnx.Linear(d, 3 * d, rngs=rngs, dtype=dt)
+        self.qkv = nnx.Linear(d, 3 * d, use_bias=False, rngs=rngs, dtype=dt)  # a key bias has zero gradient
         self.proj = nnx.Linear(d, d, rngs=rngs, dtype=dt)
         self.ln2 = nnx.LayerNorm(d, rngs=rngs, dtype=dt)
         self.fc = nnx.Linear(d, cfg.mlp_ratio * d, rngs=rngs, dtype=dt)

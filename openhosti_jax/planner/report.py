@@ -42,17 +42,13 @@ def leaf_rows(plan: ShardingPlan, params: object | None = None, top: int = 8) ->
         return [f"  {jax.tree_util.keystr(p):<48} {_spec_str(s)}" for p, s in specs[:top]]
     shapes = jax.tree.leaves(params)
     rows = sorted(zip(specs, shapes, strict=True), key=lambda r: -math.prod(r[1].shape))
-    return [
-        f"  {jax.tree_util.keystr(p):<48} {str(tuple(x.shape)):<18} {_spec_str(s)}" for (p, s), x in rows[:top]
-    ]
+    return [f"  {jax.tree_util.keystr(p):<48} {str(tuple(x.shape)):<18} {_spec_str(s)}" for (p, s), x in rows[:top]]
 
 
 def format_plan(plan: ShardingPlan, params: object | None = None) -> str:
     """The plan as a table (add ``params`` to print leaf shapes, largest first)."""
     mesh = " x ".join(f"{a}={n}" for a, n in plan.mesh_shape.items())
-    n_sharded = sum(
-        1 for s in jax.tree.leaves(plan.param_specs, is_leaf=lambda x: isinstance(x, P)) if spec_axes(s)
-    )
+    n_sharded = sum(1 for s in jax.tree.leaves(plan.param_specs, is_leaf=lambda x: isinstance(x, P)) if spec_axes(s))
     n_total = len(jax.tree.leaves(plan.param_specs, is_leaf=lambda x: isinstance(x, P)))
     lines = [
         "ShardingPlan",

@@ -92,9 +92,7 @@ def spec_problems(path: str, shape: Sequence[int], spec: P, sizes: Mapping[str, 
     for d, entry in enumerate(spec):
         for a in _entry_axes(entry):
             if a not in sizes:
-                problems.append(
-                    f"{path}: spec {spec} names unknown mesh axis {a!r}; expected one of {tuple(sizes)}"
-                )
+                problems.append(f"{path}: spec {spec} names unknown mesh axis {a!r}; expected one of {tuple(sizes)}")
             elif a in seen:
                 problems.append(f"{path}: spec {spec} uses mesh axis {a!r} twice")
             seen.add(a)

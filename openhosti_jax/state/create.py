@@ -46,9 +46,7 @@ def nnx_apply_fn(graphdef: Any) -> Callable[..., Any]:
     """``apply_fn(params, *args, model_state=None, **kw)`` calling the merged nnx module."""
 
     def apply(params: Any, *args: Any, model_state: Any = None, **kwargs: Any) -> Any:
-        module = nnx.merge(graphdef, params, model_state) if model_state is not None else nnx.merge(
-            graphdef, params
-        )
+        module = nnx.merge(graphdef, params, model_state) if model_state is not None else nnx.merge(graphdef, params)
         return module(*args, **kwargs)
 
     return apply
@@ -96,10 +94,10 @@ def create_train_state(
         raise StateError(f"init_fn(rng) failed under jax.eval_shape: {e}") from e
     is_nnx = isinstance(abstract, nnx.Module)
     if is_nnx:
-        graphdef, abstract_params, abstract_rest = _split_nnx(abstract)
+        graphdef, abstract_params, _ = _split_nnx(abstract)
         apply_fn = apply_fn or nnx_apply_fn(graphdef)
     else:
-        abstract_params, abstract_rest = abstract, None
+        abstract_params = abstract
         if not jax.tree.leaves(abstract_params):
             raise StateError("init_fn(rng) returned no array leaves; expected a params pytree or an nnx.Module")
     the_plan = resolve_plan(plan, abstract_params, tx, mesh, **plan_kw)
@@ -107,7 +105,7 @@ def create_train_state(
 
     def build(k_init: jax.Array, k_state: jax.Array) -> TrainState:
         out = init_fn(k_init)
-        params, rest = (_split_nnx(out)[1:] if is_nnx else (out, None))
+        params, rest = _split_nnx(out)[1:] if is_nnx else (out, None)
         return TrainState.create(apply_fn=apply_fn, params=params, tx=tx, rng=k_state, model_state=rest)
 
     abstract_state = jax.eval_shape(build, init_key, state_key)

@@ -1,0 +1,114 @@
+"""The demo job: train `GPT` on the bundled corpus with an automatic plan, progress, metrics and checkpoints.
+
+Used by ``openhosti train``, ``examples/train_gpt.py``, the tests and the benchmarks.
+
+Example:
+    >>> from openhosti_jax.models.gpt_job import GPTJob, run_job
+    >>> result = run_job(GPTJob(steps=2, progress=False, print_plan=False))
+    >>> len(result.history)
+    2
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+from openhosti_jax.data import ArrayDataset
+from openhosti_jax.errors import StateError
+from openhosti_jax.mesh import MeshConfig, build_mesh
+from openhosti_jax.microbatch import make_train_step
+from openhosti_jax.models.gpt import GPT, GPTConfig, make_corpus, next_token_loss
+from openhosti_jax.planner.plan import ShardingPlan
+from openhosti_jax.state import TrainState, create_train_state
+from openhosti_jax.train import FitResult, Trainer, spmd
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTJob:
+    """Everything the demo run needs."""
+
+    model: GPTConfig = dataclasses.field(default_factory=GPTConfig.tiny)
+    """Model shape."""
+    steps: int = 50
+    """Optimizer steps."""
+    global_batch: int = 32
+    """Sequences per step (all devices)."""
+    num_sequences: int = 2048
+    """Corpus size in sequences."""
+    learning_rate: float = 3e-3
+    """Adam learning rate."""
+    plan: str | int = "fsdp"
+    """Sharding strategy: "fsdp", "dp", "zero1", "zero2", "auto" or a ZeRO stage."""
+    mesh: MeshConfig = dataclasses.field(default_factory=lambda: MeshConfig(data=1, fsdp=-1))
+    """Mesh axis sizes."""
+    seed: int = 0
+    """Seeds init, data order and dropout."""
+    metrics_path: str | None = None
+    """JSONL metrics file."""
+    checkpoint_dir: str | None = None
+    """Where checkpoints go (None: no checkpoints)."""
+    checkpoint_every_steps: int | None = None
+    """Also save every K steps (time-based saves happen every 15 minutes regardless)."""
+    progress: bool = True
+    """Show the progress bar."""
+    print_plan: bool = True
+    """Print the sharding plan before training."""
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.global_batch < 1 or self.num_sequences < self.global_batch:
+            raise StateError(
+                f"expected steps >= 1 and 1 <= global_batch <= num_sequences, found steps={self.steps}, "
+                f"global_batch={self.global_batch}, num_sequences={self.num_sequences}"
+            )
+
+
+def gpt_loss_fn(apply_fn: Callable[..., jax.Array], model_state: Any) -> Callable[..., tuple[jax.Array, jax.Array]]:
+    """``loss_fn(params, batch, rng) -> (sum of token losses, number of tokens)`` for `make_train_step`."""
+
+    def loss_fn(params: Any, batch: dict[str, jax.Array], rng: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+        logits = apply_fn(params, batch["tokens"], rng, model_state=model_state)
+        return next_token_loss(logits, batch["tokens"], batch.get("mask"))
+
+    return loss_fn
+
+
+def gpt_train_step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, Any]]:
+    """One optimizer step of next-token prediction (dropout keys from ``state.rng``)."""
+    step = make_train_step(gpt_loss_fn(state.apply_fn, state.model_state))
+    return step(state, batch)
+
+
+def build_job(job: GPTJob, mesh: Mesh | None = None) -> tuple[TrainState, ShardingPlan, Any, ArrayDataset]:
+    """(sharded state, plan, the @spmd step, the data iterator) for ``job``."""
+    mesh = mesh or build_mesh(job.mesh)
+    tx = optax.adam(job.learning_rate)
+    state, plan = create_train_state(lambda r: GPT(job.model, rngs=nnx.Rngs(r)), tx, mesh, plan=job.plan, seed=job.seed)
+    step = spmd(gpt_train_step, mesh=mesh, plan=plan)
+    corpus = make_corpus(job.num_sequences, job.model.seq_len, seed=job.seed)
+    data = ArrayDataset({"tokens": corpus}, job.global_batch, seed=job.seed)
+    return state, plan, step, data
+
+
+def run_job(job: GPTJob, mesh: Mesh | None = None) -> FitResult:
+    """Build and train; print the plan first (``job.print_plan``)."""
+    state, plan, step, data = build_job(job, mesh)
+    if job.print_plan and jax.process_index() == 0:
+        from openhosti_jax.planner.report import format_plan
+
+        print(format_plan(plan, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state.params)))
+    checkpoint = None
+    if job.checkpoint_dir is not None:
+        from openhosti_jax.checkpoint import TrainerCheckpoint
+
+        checkpoint = TrainerCheckpoint(
+            job.checkpoint_dir, every_steps=job.checkpoint_every_steps, meta={"plan": str(plan)}
+        )
+    trainer = Trainer(step, metrics_path=job.metrics_path, progress=job.progress, checkpoint=checkpoint)
+    return trainer.fit(state, data, num_steps=job.steps)

@@ -1,0 +1,56 @@
+"""MeshConfig resolution and validation, build_mesh, distributed init no-op."""
+
+import jax
+import pytest
+
+from openhosti_jax.errors import DistributedError, MeshConfigError
+from openhosti_jax.mesh import AXES, MeshConfig, build_mesh, initialize_distributed, mesh_sizes
+
+
+def test_resolve_infers_the_open_axis():
+    assert MeshConfig(data=-1, fsdp=2).resolve(8) == {"stage": 1, "data": 4, "fsdp": 2, "tensor": 1}
+    assert MeshConfig(stage=2, data=2, fsdp=-1, tensor=1).resolve(8)["fsdp"] == 2
+
+
+def test_product_mismatch_is_a_typed_error_with_the_fix():
+    with pytest.raises(MeshConfigError, match="multiply to 3 but there are 8 devices"):
+        MeshConfig(data=3).resolve(8)
+    with pytest.raises(MeshConfigError, match="does not divide"):
+        MeshConfig(data=-1, fsdp=3).resolve(8)
+    with pytest.raises(ValueError, match="more than one axis set to -1"):
+        MeshConfig(data=-1, fsdp=-1)
+    with pytest.raises(MeshConfigError, match="expected a positive int"):
+        MeshConfig(tensor=0)
+    with pytest.raises(MeshConfigError, match="without the planner"):
+        MeshConfig(data="auto", fsdp="auto").resolve(8)
+
+
+def test_build_mesh_axes_and_devices():
+    mesh = build_mesh(MeshConfig(data=2, fsdp=4))
+    assert mesh.axis_names == AXES
+    assert mesh_sizes(mesh) == {"stage": 1, "data": 2, "fsdp": 4, "tensor": 1}
+    assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in jax.devices())
+    sub = build_mesh(MeshConfig(data=-1), devices=jax.devices()[:4])
+    assert mesh_sizes(sub)["data"] == 4
+
+
+def test_hybrid_mesh_checks_the_dcn_factor():
+    # one process, no slices: a DCN factor of 2 cannot be laid out
+    with pytest.raises(MeshConfigError, match="dcn factors"):
+        build_mesh(MeshConfig(data=-1, dcn={"data": 2}))
+    with pytest.raises(MeshConfigError, match="not one of"):
+        MeshConfig(dcn={"batch": 2})
+
+
+def test_explicit_axis_types():
+    mesh = build_mesh(MeshConfig(data=-1, axis_type="explicit"))
+    assert all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
+
+
+def test_initialize_distributed_single_process_is_a_noop(monkeypatch):
+    for k in ("SLURM_JOB_ID", "OPENHOSTI_COORDINATOR", "TPU_WORKER_HOSTNAMES"):
+        monkeypatch.delenv(k, raising=False)
+    assert initialize_distributed() is False
+    monkeypatch.setenv("OPENHOSTI_COORDINATOR", "127.0.0.1:1")
+    with pytest.raises(DistributedError, match="num_processes"):
+        initialize_distributed()

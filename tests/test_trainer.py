@@ -1,0 +1,41 @@
+"""Trainer: JSONL metrics equal the returned history; Ctrl-C ends cleanly with the last completed state."""
+
+import json
+
+import numpy as np
+
+from openhosti_jax import MeshConfig, Trainer, build_mesh
+from openhosti_jax.models.gpt_job import GPTJob, build_job
+from openhosti_jax.train import read_metrics
+
+
+def test_metrics_file_matches_history(tmp_path):
+    state, _, step, data = build_job(
+        GPTJob(steps=4, global_batch=8, num_sequences=64, progress=False), build_mesh(MeshConfig(data=-1))
+    )
+    path = tmp_path / "metrics.jsonl"
+    result = Trainer(step, metrics_path=path, progress=False).fit(state, data, num_steps=4)
+    records = read_metrics(path)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    np.testing.assert_allclose([r["loss"] for r in records], [h["loss"] for h in result.history])
+    assert all(r["tokens_per_s"] > 0 for r in records)
+    assert int(result.state.step) == 4
+    json.dumps(result.history)
+
+
+def test_keyboard_interrupt_stops_cleanly(tmp_path):
+    state, _, step, data = build_job(
+        GPTJob(steps=10, global_batch=8, num_sequences=64, progress=False), build_mesh(MeshConfig(data=-1))
+    )
+    calls = {"n": 0}
+
+    def interrupting_step(s, b):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return step(s, b)
+
+    result = Trainer(interrupting_step, metrics_path=tmp_path / "m.jsonl", progress=False).fit(state, data, 10)
+    assert result.interrupted
+    assert int(result.state.step) == 2 and len(result.history) == 2
+    assert len(read_metrics(tmp_path / "m.jsonl")) == 2
