@@ -1,4 +1,4 @@
-"""Pipeline parallelism: layer costs, exact stage partitioning, schedules as data, a simulator, an SPMD executor.
+"""Pipeline parallelism: layer costs, exact stage cuts, schedules as data, a simulator, an SPMD executor.
 
 Example:
     >>> from openhosti_jax.pipeline import gpipe, simulate

@@ -1,7 +1,8 @@
 """When to pipeline: the decision the planner and ``@spmd`` take from the cost model's numbers.
 
-Pipelining is *needed* when the model's per-device memory without stages exceeds the budget, and *wins* when its
-predicted step time beats the unpipelined one. `fewest_stages` finds the smallest stage count whose best cut fits.
+Pipelining is *needed* when the model's per-device memory without stages exceeds the budget, and *wins*
+when its predicted step time beats the unpipelined one. `fewest_stages` finds the smallest stage count whose
+best cut fits.
 
 Example:
     >>> should_pipeline(per_device_memory_bytes=3e9, budget_bytes=2e9).use_pipeline
@@ -53,9 +54,7 @@ def should_pipeline(
     timed = unpipelined_step_s is not None and pipelined_step_s is not None
     wins = timed and pipelined_step_s < unpipelined_step_s
     if needed:
-        reason = (
-            f"needs {per_device_memory_bytes:.4g} B per device without stages, budget {budget_bytes:.4g} B"
-        )
+        reason = f"needs {per_device_memory_bytes:.4g} B per device without stages, budget {budget_bytes:.4g} B"
     elif wins:
         reason = f"predicted step {pipelined_step_s:.4g} s pipelined vs {unpipelined_step_s:.4g} s without"
     else:

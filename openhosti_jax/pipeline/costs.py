@@ -1,7 +1,7 @@
 """Per-layer costs of a model given as a sequence of layers: FLOPs and bytes from XLA's cost analysis,
 parameter and activation bytes, and a roofline time estimate the partitioner balances.
 
-A layer is a function ``layer(params, x) -> y``; `split_modules` turns a list of Flax nnx modules into that form.
+A layer is a function ``layer(params, x) -> y``; `split_modules` turns Flax nnx modules into that form.
 
 Example:
     >>> import jax.numpy as jnp
@@ -46,16 +46,12 @@ class LayerCost:
     def __post_init__(self) -> None:
         bad = {k: v for k, v in vars(self).items() if not (np.isfinite(v) and v >= 0)}
         if bad:
-            raise PipelineError(
-                f"LayerCost fields must be finite and >= 0, found {bad}; check the cost source"
-            )
+            raise PipelineError(f"LayerCost fields must be finite and >= 0, found {bad}; check the cost source")
 
 
 def tree_bytes(tree: Any) -> int:
     """Total bytes of the arrays (or abstract arrays) in a pytree."""
-    return int(
-        sum(np.prod(x.shape, dtype=np.int64) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
-    )
+    return int(sum(np.prod(x.shape, dtype=np.int64) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
 
 
 def layer_costs(
@@ -66,10 +62,10 @@ def layer_costs(
     peak_flops: float = 1e11,
     bandwidth: float = 2e10,
 ) -> list[LayerCost]:
-    """Costs of each layer, chaining abstract shapes from ``example_input`` (one microbatch) through the model.
+    """Costs of each layer, chaining abstract shapes from ``example_input`` (one microbatch) through them.
 
     Nothing runs: each layer is lowered and compiled ahead of time on abstract inputs and its
-    ``cost_analysis()`` read. ``peak_flops`` / ``bandwidth`` (per device) turn the counts into a time estimate.
+    ``cost_analysis()`` read. ``peak_flops`` / ``bandwidth`` (per device) turn counts into a time estimate.
     """
     if len(layers) != len(params):
         raise PipelineError(
@@ -108,7 +104,7 @@ def layer_costs(
 
 
 def split_modules(modules: Sequence[Any]) -> tuple[list[Layer], list[Any]]:
-    """Flax nnx modules -> (``layer(params, x)`` functions, their ``nnx.State`` params), ready for the pipeline.
+    """Flax nnx modules -> (``layer(params, x)`` functions, their ``nnx.State`` params) for the pipeline.
 
     Example:
         >>> import jax.numpy as jnp

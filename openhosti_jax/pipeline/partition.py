@@ -2,7 +2,7 @@
 
 The objective is Alpa's pipeline latency ``sum(t_s) + (M - 1) * max(t_s)`` for ``M`` microbatches (``"alpa"``)
 or the slowest stage alone (``"max"``), subject to a per-stage memory cap. Stage time is forward plus backward
-(``1 + backward_ratio`` times the forward estimate) plus the time to send the stage's output to the next stage.
+(``1 + backward_ratio`` times the forward estimate) plus the time to send its output to the next stage.
 Stage memory is the parameter state (params, grads, optimizer moments), the stage inputs kept for the
 microbatches in flight (the executor recomputes the rest in backward) and one microbatch's activations.
 
@@ -38,7 +38,7 @@ class StageCostModel:
     link_bandwidth: float | None = None
     """Bytes/s between neighbouring stages; ``None`` ignores the send time."""
     schedule: Literal["gpipe", "1f1b"] = "1f1b"
-    """Which schedule's in-flight count sizes the stored activations: GPipe keeps M, 1F1B ``S - s`` at stage s."""
+    """Schedule whose in-flight count sizes stored activations: GPipe keeps M, 1F1B ``S - s`` at stage s."""
 
     def __post_init__(self) -> None:
         if not self.backward_ratio >= 0:
@@ -201,9 +201,10 @@ def partition(
 ) -> StagePartition:
     """The optimal contiguous cut of ``costs`` into ``num_stages`` stages, exactly, by dynamic programming.
 
-    ``"max"`` is a min-max DP. ``"alpa"`` enumerates every segment time as a bound on the slowest stage, finds the
-    minimum-sum cut under each bound and keeps the best ``sum + (M - 1) * max`` (exact: the optimum's own slowest
-    stage is one of the bounds). Raises `PipelineError` with the best achievable value when nothing is feasible.
+    ``"max"`` is a min-max DP. ``"alpa"`` enumerates every segment time as a bound on the slowest stage, finds
+    the minimum-sum cut under each bound and keeps the best ``sum + (M - 1) * max`` (exact: the optimum's own
+    slowest stage is one of the bounds). Raises `PipelineError` with the best achievable value when nothing is
+    feasible.
     """
     model = model or StageCostModel()
     n = len(costs)
@@ -225,9 +226,9 @@ def partition(
         lowest = _dp(tables.memory, finite, "max")
         assert lowest is not None  # any cut into <= n stages has finite memory
         raise PipelineError(
-            f"no cut into {num_stages} stages meets memory_cap={memory_cap:.4g} bytes; the minimum achievable "
-            f"peak stage memory is {lowest[0]:.4g} bytes (cuts {lowest[1]}): raise the cap, use more stages, "
-            "or lower state_bytes_factor (ZeRO) / the microbatch size"
+            f"no cut into {num_stages} stages meets memory_cap={memory_cap:.4g} bytes; the minimum "
+            f"achievable peak stage memory is {lowest[0]:.4g} bytes (cuts {lowest[1]}): raise the cap, use "
+            "more stages, or lower state_bytes_factor (ZeRO) / the microbatch size"
         )
     cuts = min_max[1]
     if objective == "alpa":

@@ -1,7 +1,7 @@
 """Pipeline schedules as data: for each stage, the ordered forward / backward actions it runs.
 
-Chunk ``c = virtual_stage * num_stages + stage`` of the model lives on ``stage`` (Megatron's interleaved layout);
-without virtual stages chunk == stage.
+Chunk ``c = virtual_stage * num_stages + stage`` of the model lives on ``stage`` (Megatron's interleaved
+layout); without virtual stages chunk == stage.
 
 Example:
     >>> print(one_f_one_b(num_stages=2, num_microbatches=3))
@@ -104,7 +104,7 @@ def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
 
 
 def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
-    """1F1B (PipeDream-flush): ``S - s - 1`` warm-up forwards, then alternate, so at most ``S - s`` in flight."""
+    """1F1B (PipeDream-flush): ``S - s - 1`` warm-up forwards, then alternate: at most ``S - s`` in flight."""
     _check(num_stages, num_microbatches)
     s, m = num_stages, num_microbatches
     per_stage = []

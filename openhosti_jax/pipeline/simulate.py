@@ -1,7 +1,8 @@
 """Play a `Schedule` with given per-chunk forward / backward times: makespan, bubble, peak in-flight.
 
 Each stage runs its actions in order; an action starts when its stage is free and its inputs have arrived
-(forward of chunk c needs forward of c-1, backward of c needs backward of c+1, plus ``comm_time`` across stages).
+(forward of chunk c needs forward of c-1, backward of c needs backward of c+1, plus ``comm_time`` across
+stages).
 
 Example:
     >>> from openhosti_jax.pipeline.schedule import gpipe
@@ -40,9 +41,7 @@ def _per_chunk(times: float | Sequence[float], n: int, name: str) -> np.ndarray:
     if arr is None:
         arr = np.asarray(times, dtype=np.float64)
         if arr.shape != (n,):
-            raise PipelineError(
-                f"expected {name} as a scalar or {n} per-chunk values, found shape {arr.shape}"
-            )
+            raise PipelineError(f"expected {name} as a scalar or {n} per-chunk values, found shape {arr.shape}")
     if not np.all(np.isfinite(arr)) or np.any(arr < 0):
         raise PipelineError(f"{name} must be finite and >= 0, found {arr.tolist()}")
     return arr
@@ -54,7 +53,7 @@ def simulate(
     backward_times: float | Sequence[float] | None = None,
     comm_time: float = 0.0,
 ) -> SimResult:
-    """Play ``schedule``; times are per chunk (``S * V`` values) or one scalar; backward defaults to 2x forward."""
+    """Play ``schedule``; times are per chunk (``S * V`` values) or a scalar; backward defaults to 2x."""
     s, c_total = schedule.num_stages, schedule.num_chunks
     fwd = _per_chunk(forward_times, c_total, "forward_times")
     bwd = 2.0 * fwd if backward_times is None else _per_chunk(backward_times, c_total, "backward_times")
@@ -77,7 +76,7 @@ def simulate(
                     break
                 ready = 0.0 if dep is None else done[dep] + (comm_time if dep[2] % s != d else 0.0)
                 start = max(free[d], ready)
-                end = start + (fwd[c] if a.kind == "F" else bwd[c])
+                end = start + float(fwd[c] if a.kind == "F" else bwd[c])
                 done[(a.kind, a.microbatch, c)] = end
                 free[d] = end
                 timeline[d].append((a, start, end))
@@ -85,9 +84,7 @@ def simulate(
                 remaining -= 1
                 progressed = True
         if not progressed:
-            stuck = {
-                d: str(schedule.actions[d][pos[d]]) for d in range(s) if pos[d] < len(schedule.actions[d])
-            }
+            stuck = {d: str(schedule.actions[d][pos[d]]) for d in range(s) if pos[d] < len(schedule.actions[d])}
             raise PipelineError(f"schedule {schedule.name!r} deadlocks: stages wait at {stuck}")
     makespan = max(free)
     busy = sum(e - b for row in timeline for _, b, e in row)

@@ -1,9 +1,9 @@
 """Compile a `Schedule` into the lock-step tick table the SPMD executor scans over.
 
 At every tick each stage runs at most one action; what it sends at the end of tick ``t`` is stored by its
-neighbour before tick ``t + 1``. Start ticks come from `simulate` with unit times, and every received tensor gets
-a buffer slot (allocated on arrival, freed after the backward that consumes it), so the executor's buffers hold
-exactly the schedule's in-flight microbatches.
+neighbour before tick ``t + 1``. Start ticks come from `simulate` with unit times, and every received tensor
+gets a buffer slot (allocated on arrival, freed after the backward that consumes it), so the executor's
+buffers hold exactly the schedule's in-flight microbatches.
 
 Example:
     >>> from openhosti_jax.pipeline.schedule import one_f_one_b
@@ -27,7 +27,7 @@ FIELDS = ("op", "chunk", "microbatch", "act_slot", "grad_slot", "recv_act_slot",
 
 @dataclass(frozen=True, eq=False)
 class TickTable:
-    """``table[t, stage, field]`` with `FIELDS`; slot ``num_act_slots`` / ``num_grad_slots`` is the discard slot."""
+    """``table[t, stage, field]`` with `FIELDS`; slot ``num_act_slots`` / ``num_grad_slots`` discards."""
 
     table: np.ndarray
     """int32 array of shape ``(num_ticks, num_stages, len(FIELDS))``."""
