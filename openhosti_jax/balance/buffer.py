@@ -79,9 +79,7 @@ def pack_microbatches(microbatches: Any, counts: Sequence[int], capacity: int) -
     return jax.tree_util.tree_map(pack, microbatches)
 
 
-def place_microbatches(
-    microbatches: Any, counts: Sequence[int], capacity: int, mesh: Mesh, axis: str = "data"
-) -> Any:
+def place_microbatches(microbatches: Any, counts: Sequence[int], capacity: int, mesh: Mesh, axis: str = "data") -> Any:
     """Global buffer sharded over ``axis``; each process reads only the slots of its own devices.
 
     ``microbatches`` (``[M, ...]`` host arrays, the same on every process) is indexed lazily, so a process

@@ -110,9 +110,7 @@ class Rebalancer:
                 rest -= 1
         return tuple(int(v) for v in n)
 
-    def predicted_time(
-        self, counts: Sequence[int], speeds: Sequence[float], failed: Sequence[int] = ()
-    ) -> float:
+    def predicted_time(self, counts: Sequence[int], speeds: Sequence[float], failed: Sequence[int] = ()) -> float:
         """``max_i counts_i / speed_i``: the step time of ``counts`` at ``speeds`` (inf if infeasible)."""
         s = self._speeds(speeds, failed)
         c = np.asarray(counts, np.float64)
@@ -121,9 +119,7 @@ class Rebalancer:
         live = s > 0
         return float(np.max(c[live] / s[live]))
 
-    def update(
-        self, current: Sequence[int], speeds: Sequence[float], failed: Sequence[int] = ()
-    ) -> tuple[int, ...]:
+    def update(self, current: Sequence[int], speeds: Sequence[float], failed: Sequence[int] = ()) -> tuple[int, ...]:
         """`assign`, unless ``current`` is valid and within ``hysteresis`` of it in predicted step time."""
         new = self.assign(speeds, failed)
         cur = np.asarray(current, np.int64)

@@ -103,8 +103,7 @@ class BalancedGradFn:
         self.size = mesh.shape[axis]
         if throttle is not None and len(throttle.factors) != self.size:
             raise BalanceError(
-                f"expected a Throttle with {self.size} factors (the {axis!r} axis size), "
-                f"found {len(throttle.factors)}"
+                f"expected a Throttle with {self.size} factors (the {axis!r} axis size), found {len(throttle.factors)}"
             )
         self.throttle = throttle
         self._replicated = NamedSharding(mesh, PartitionSpec())

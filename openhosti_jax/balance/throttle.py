@@ -55,8 +55,7 @@ class Throttle:
         unknown = set(factors) - set(owners)
         if unknown:
             raise BalanceError(
-                f"processes {sorted(unknown)} own no device of mesh axis {axis!r} "
-                f"(owners: {sorted(set(owners))})"
+                f"processes {sorted(unknown)} own no device of mesh axis {axis!r} (owners: {sorted(set(owners))})"
             )
         return Throttle(tuple(factors.get(p, 1) for p in owners))
 
@@ -71,4 +70,5 @@ def data_axis_processes(mesh: Mesh, axis: str) -> tuple[int, ...]:
     if axis not in mesh.axis_names:
         raise BalanceError(f"expected axis {axis!r} in the mesh axes {mesh.axis_names}; pass one of them")
     devs = np.moveaxis(mesh.devices, mesh.axis_names.index(axis), 0)
-    return tuple(int(devs[i].flat[0].process_index) for i in range(devs.shape[0]))
+    firsts = devs.reshape(devs.shape[0], -1)[:, 0]
+    return tuple(int(d.process_index) for d in firsts)
