@@ -95,6 +95,38 @@ def _check_narrowing(name: str, lo: int, hi: int, dtype: str) -> None:
         )
 
 
+def narrow_numpy(x: np.ndarray, where: str) -> np.ndarray:
+    """``x`` in the dtype JAX will hold it in: 64-bit types narrowed (ints range-checked) when x64 is off."""
+    name = x.dtype.name
+    if name not in _TORCH_NARROW or jax.config.jax_enable_x64:
+        return x
+    if name in ("int64", "uint64") and x.size:
+        _check_narrowing(where, int(x.min()), int(x.max()), name)
+    return x.astype(_TORCH_NARROW[name])
+
+
+def torch_to_numpy(t: Any) -> np.ndarray:
+    """A CPU torch tensor as a numpy array sharing its memory (bf16 as ``ml_dtypes.bfloat16``).
+
+    Tensors on an accelerator are copied to the host first; gradients are detached.
+
+    Example:
+        >>> import torch
+        >>> torch_to_numpy(torch.ones(2, dtype=torch.bfloat16)).dtype.name
+        'bfloat16'
+    """
+    import ml_dtypes
+    import torch
+
+    t = t.detach().cpu().resolve_conj().resolve_neg()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    try:
+        return t.numpy()
+    except TypeError as err:
+        raise BridgeError(f"torch_to_numpy: numpy has no dtype for {t.dtype}; cast the tensor first") from err
+
+
 def _torch_to_jax(x: Any, device: jax.Device | None) -> jax.Array:
     import torch
 
@@ -272,4 +304,14 @@ def shards_to_jax(
     return jax.make_array_from_single_device_arrays(tuple(global_shape), sharding, arrays)
 
 
-__all__ = ["DeviceShard", "shards_to_jax", "shards_to_tf", "shards_to_torch", "to_jax", "to_tf", "to_torch"]
+__all__ = [
+    "DeviceShard",
+    "narrow_numpy",
+    "shards_to_jax",
+    "shards_to_tf",
+    "shards_to_torch",
+    "to_jax",
+    "to_tf",
+    "to_torch",
+    "torch_to_numpy",
+]
