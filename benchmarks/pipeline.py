@@ -1,0 +1,174 @@
+"""Pipeline benchmark: automatic cuts vs equal layer counts, simulated and measured bubble, pipelined vs plain step.
+
+Prints one JSON object on its last line with the keys BENCHMARKS.md lists for pipeline.py. Every time is a median
+over alternated repetitions in this process.
+
+Measured bubble: the executor is timed at several microbatch counts M with a fixed microbatch size; the slope of
+step time in M is the cost of one microbatch's work, so ``1 - M * slope / T(M)`` is the share of the step not spent
+on useful work (bubble plus fixed overhead), compared with GPipe's ``(S-1)/(M+S-1)``.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "")
+    + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import json  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from openhosti_jax.mesh import MeshConfig, build_mesh  # noqa: E402
+from openhosti_jax.pipeline import (  # noqa: E402
+    evaluate_partition,
+    gpipe,
+    layer_costs,
+    make_pipeline_step,
+    partition,
+    simulate,
+)
+
+S = 4
+REPS = 7
+
+
+def dense(p, x):
+    return jnp.tanh(x @ p)
+
+
+def wide(p, x):  # a block whose cost scales with its hidden width
+    return x + jnp.tanh(x @ p[0]) @ p[1]
+
+
+def mse(out, target):
+    return jnp.mean((out - target) ** 2)
+
+
+def medians(fns: dict, reps: int = REPS) -> dict:
+    """Median seconds per named zero-argument callable, run round-robin (alternated)."""
+    for f in fns.values():
+        jax.block_until_ready(f())
+    samples = {k: [] for k in fns}
+    for _ in range(reps):
+        for k, f in fns.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(f())
+            samples[k].append(time.perf_counter() - t0)
+    return {k: float(np.median(v)) for k, v in samples.items()}
+
+
+def skewed_model(d: int = 128):
+    """Six light blocks then two 6x wider ones (a big head): 2 layers per stage leaves the last stage 6x busier."""
+    k = jax.random.split(jax.random.key(0), 16)
+    hidden = [d, d, d, d, d, d, 6 * d, 6 * d]
+    layers = [wide] * 8
+    params = [
+        (0.05 * jax.random.normal(k[2 * i], (d, h)), 0.05 * jax.random.normal(k[2 * i + 1], (h, d)))
+        for i, h in enumerate(hidden)
+    ]
+    return layers, params
+
+
+def stage_step_times(layers, params, cuts, x) -> dict:
+    """Forward + backward of each stage alone on one device."""
+    dev = jax.devices()[0]
+    fns = {}
+    h = x
+    for s, (a, b) in enumerate(zip(cuts, cuts[1:], strict=False)):
+        sp = jax.device_put(tuple(params[a:b]), dev)
+        sx = jax.device_put(h, dev)
+
+        def stage_loss(ps, xx, fs=tuple(layers[a:b])):
+            for f, p in zip(fs, ps, strict=True):
+                xx = f(p, xx)
+            return jnp.sum(xx)
+
+        g = jax.jit(jax.grad(stage_loss, argnums=(0, 1)))
+        fns[s] = lambda g=g, sp=sp, sx=sx: g(sp, sx)
+        for f, p in zip(layers[a:b], params[a:b], strict=True):
+            h = f(p, h)
+    return fns
+
+
+def main() -> None:
+    out: dict = {}
+    mb = 256
+    # 1. automatic cuts vs equal layer counts on a skewed model
+    layers, params = skewed_model()
+    x = jax.random.normal(jax.random.key(1), (mb, 128))
+    costs = layer_costs(layers, params, x)
+    auto = partition(costs, S, 8)
+    equal = evaluate_partition(costs, (0, 2, 4, 6, 8), 8)
+    fa = stage_step_times(layers, params, auto.boundaries, x)
+    fe = stage_step_times(layers, params, equal.boundaries, x)
+    t = medians({**{("a", k): v for k, v in fa.items()}, **{("e", k): v for k, v in fe.items()}})
+    auto_max = max(v for (w, _), v in t.items() if w == "a")
+    equal_max = max(v for (w, _), v in t.items() if w == "e")
+    out["auto_over_equal_split_max_stage"] = auto_max / equal_max
+    out["auto_over_equal_split_max_stage_predicted"] = auto.max_stage_time / equal.max_stage_time
+    out["auto_boundaries"] = list(auto.boundaries)
+    out["auto_stage_seconds_measured"] = [t[("a", s)] for s in range(S)]
+    out["equal_stage_seconds_measured"] = [t[("e", s)] for s in range(S)]
+
+    # 2. simulated GPipe bubble, equal stages
+    for m in (8,):
+        sim = simulate(gpipe(S, m), 1.0, 2.0)
+        out["sim_bubble_over_formula"] = sim.bubble_fraction / ((S - 1) / (m + S - 1))
+
+    # 3. measured bubble and pipelined vs unpipelined step, equal stages, 4 stages x 2 data
+    mesh = build_mesh(MeshConfig(stage=S, data=2))
+    d = 256
+    k = jax.random.split(jax.random.key(2), S)
+    eq_layers = [dense] * S
+    eq_params = [jax.random.normal(k[i], (d, d)) / np.sqrt(d) for i in range(S)]
+    eq_cut = partition(layer_costs(eq_layers, eq_params, jnp.zeros((mb, d))), S, 8)
+    ms = (2, 4, 8)
+    runs = {}
+    batches = {}
+    for m in ms:
+        n = mb * 2 * m
+        batches[m] = (jnp.ones((n, d)) * 0.1, jnp.zeros((n, d)))
+        step = make_pipeline_step(eq_layers, mse, mesh, eq_cut, gpipe(S, m))
+        runs[("pipe", m)] = lambda step=step, m=m: step(eq_params, batches[m])
+
+    def plain_loss(ps, xb, yb):
+        h = xb
+        for f, p in zip(eq_layers, ps, strict=True):
+            h = f(p, h)
+        return mse(h, yb)
+
+    dp_mesh = build_mesh(MeshConfig(data=8))
+    shard = NamedSharding(dp_mesh, P(("data",)))
+    rep = NamedSharding(dp_mesh, P())
+    plain = jax.jit(jax.value_and_grad(plain_loss), in_shardings=(rep, shard, shard))
+    m_big = ms[-1]
+    dp_args = (jax.device_put(eq_params, rep), *(jax.device_put(b, shard) for b in batches[m_big]))
+    runs[("plain", m_big)] = lambda: plain(*dp_args)
+    t = medians(runs)
+    times = np.array([t[("pipe", m)] for m in ms])
+    slope = np.polyfit(np.array(ms, dtype=float), times, 1)[0]
+    measured = {m: 1.0 - m * slope / t[("pipe", m)] for m in ms}
+    formula = {m: (S - 1) / (m + S - 1) for m in ms}
+    out["measured_bubble_over_formula"] = measured[m_big] / formula[m_big]
+    out["measured_bubble_by_m"] = {str(m): measured[m] for m in ms}
+    out["formula_bubble_by_m"] = {str(m): formula[m] for m in ms}
+    out["pipelined_step_seconds_by_m"] = {str(m): t[("pipe", m)] for m in ms}
+    out["pipelined_over_unpipelined_step"] = t[("pipe", m_big)] / t[("plain", m_big)]
+    out["note"] = (
+        "8 simulated devices share the host's cores, so an idle stage frees a core for a busy one: measured "
+        "bubble on CPU understates what separate accelerators would show; the simulator gives that figure"
+    )
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
