@@ -1,0 +1,8 @@
+"""Checkpoints: async Orbax saves on a schedule and on preemption, per-array checksums, restore onto any mesh,
+replication to a second location, and a supervisor that restarts a crashed run."""
+
+from openhosti_jax.checkpoint.manager import CheckpointManager
+from openhosti_jax.checkpoint.policy import SavePolicy
+from openhosti_jax.checkpoint.restart import RESTART_ENV, run_with_restarts
+
+__all__ = ["RESTART_ENV", "CheckpointManager", "SavePolicy", "run_with_restarts"]
