@@ -15,17 +15,22 @@ from openhosti_jax.bridges.tensors import (
     torch_to_numpy,
 )
 from openhosti_jax.bridges.torch_data import TorchLoader
+from openhosti_jax.bridges.weights import LayerMap, flax_to_torch, layer_maps, torch_to_flax
 
 __all__ = [
     "DeviceShard",
+    "LayerMap",
     "TorchLoader",
     "default_batch_spec",
+    "flax_to_torch",
+    "layer_maps",
     "shards_to_jax",
     "shards_to_tf",
     "shards_to_torch",
     "to_jax",
     "to_tf",
     "to_global_batch",
+    "torch_to_flax",
     "to_torch",
     "torch_to_numpy",
 ]
