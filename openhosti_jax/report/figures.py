@@ -1,0 +1,174 @@
+"""PNG figures from a run directory: loss, throughput, memory, pipeline Gantt, balancer, checkpoints.
+
+matplotlib is imported only here, lazily (``pip install openhosti_jax[viz]``). Each ``*_figure`` function
+returns a `matplotlib.figure.Figure`, or raises `MissingData` naming what the run did not record.
+
+Example:
+    >>> from openhosti_jax.report.figures import loss_figure
+    >>> fig = loss_figure([{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5}])
+    >>> [float(y) for y in fig.axes[0].lines[0].get_ydata()]
+    [2.0, 1.5]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+FIGSIZE = (8.0, 4.5)
+"""Inches; at `DPI` every PNG is 800 x 450 pixels."""
+DPI = 100
+
+
+class MissingData(LookupError):
+    """Signal, not a user error: the run did not record what a figure needs, so it is skipped with this note."""
+
+
+def new_figure(ncols: int = 1) -> Any:
+    """A `Figure` of `FIGSIZE` at `DPI` with ``ncols`` axes (no pyplot, no display needed)."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise ImportError(
+            "openhosti report needs matplotlib; install it with `pip install openhosti_jax[viz]`"
+        ) from e
+    fig = Figure(figsize=FIGSIZE, dpi=DPI, layout="constrained")
+    fig.subplots(1, ncols)
+    return fig
+
+
+def _series(metrics: Sequence[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    rows = [(m["step"], m[key]) for m in metrics if isinstance(m.get(key), int | float)]
+    if not rows:
+        raise MissingData(f"no {key!r} values in metrics.jsonl ({len(metrics)} records)")
+    return [r[0] for r in rows], [float(r[1]) for r in rows]
+
+
+def loss_figure(metrics: Sequence[dict[str, Any]]) -> Any:
+    """Training loss per step."""
+    steps, loss = _series(metrics, "loss")
+    fig = new_figure()
+    ax = fig.axes[0]
+    ax.plot(steps, loss, marker="." if len(steps) < 50 else None)
+    ax.set(xlabel="step", ylabel="loss", title=f"loss {loss[0]:.4f} -> {loss[-1]:.4f}")
+    ax.grid(alpha=0.3)
+    return fig
+
+
+def throughput_figure(metrics: Sequence[dict[str, Any]]) -> Any:
+    """Tokens per second per step (the first step includes compilation)."""
+    steps, tps = _series(metrics, "tokens_per_s")
+    fig = new_figure()
+    ax = fig.axes[0]
+    ax.plot(steps, tps, marker="." if len(steps) < 50 else None, color="tab:green")
+    ax.set(xlabel="step", ylabel="tokens / s", title="throughput (step 1 includes compilation)")
+    ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    return fig
+
+
+_PREDICTED = ("params", "grads", "optimizer", "activations")
+_COMPILED = ("argument", "temp", "output")
+
+
+def memory_figure(plan: dict[str, Any] | None) -> Any:
+    """Left: params / optimizer bytes resident per device. Right: predicted vs compiled per-device bytes."""
+    memory = (plan or {}).get("memory")
+    if not memory or not memory.get("predicted"):
+        raise MissingData("plan.json has no memory breakdown (the run did not record predicted memory)")
+    mib = 2**20
+    fig = new_figure(2)
+    left, right = fig.axes
+    rows = memory.get("per_device") or []
+    if rows:
+        ids = [str(r["device"]) for r in rows]
+        p = [r["params"] / mib for r in rows]
+        o = [r["opt_state"] / mib for r in rows]
+        left.bar(ids, p, label="params")
+        left.bar(ids, o, bottom=p, label="optimizer")
+        pred = memory["predicted"]
+        left.axhline((pred["params"] + pred["optimizer"]) / mib, color="k", ls="--", label="predicted")
+        left.set(xlabel="device", ylabel="MiB", title="resident state per device")
+        left.legend(fontsize=8)
+    else:
+        left.set_title("no per-device shard sizes recorded")
+    bottom = 0.0
+    for name in _PREDICTED:
+        v = memory["predicted"].get(name)
+        if v:
+            right.bar("predicted", v / mib, bottom=bottom, label=name)
+            bottom += v / mib
+    comp = memory.get("compiled")
+    if comp:
+        bottom = 0.0
+        for name in _COMPILED:
+            v = comp[name] - (comp["alias"] if name == "output" else 0)
+            if v > 0:
+                right.bar("compiled", v / mib, bottom=bottom, label=f"compiled {name}", hatch="//", alpha=0.7)
+                bottom += v / mib
+        if comp.get("peak"):
+            right.axhline(comp["peak"] / mib, color="r", ls=":", label="compiled peak")
+    right.set(ylabel="MiB per device", title="predicted vs compiled" if comp else "predicted (not compiled)")
+    right.legend(fontsize=7)
+    return fig
+
+
+def pipeline_figure(schedule: dict[str, Any] | None) -> Any:
+    """Gantt chart of a simulated pipeline schedule; idle time (the bubble) shaded red."""
+    if not schedule:
+        raise MissingData("no schedule.json in the run and no --schedule given")
+    from openhosti_jax.pipeline import make_schedule, simulate
+
+    sched = make_schedule(
+        schedule.get("kind", "1f1b"),
+        int(schedule["num_stages"]),
+        int(schedule["num_microbatches"]),
+        int(schedule.get("num_virtual", 1)),
+    )
+    sim = simulate(
+        sched, schedule.get("forward_times", 1.0), schedule.get("backward_times"), schedule.get("comm_time", 0.0)
+    )
+    fig = new_figure()
+    ax = fig.axes[0]
+    for d, row in enumerate(sim.timeline):
+        ax.barh(d, sim.makespan, left=0.0, height=0.8, color="tab:red", alpha=0.25)
+        for action, start, end in row:
+            color = "tab:blue" if action.kind == "F" else "tab:green"
+            ax.barh(d, end - start, left=start, height=0.8, color=color, edgecolor="white")
+            if sched.num_stages * sched.num_microbatches <= 64:
+                ax.text((start + end) / 2, d, str(action), ha="center", va="center", fontsize=6, color="white")
+    ax.set_yticks(range(sched.num_stages), [f"stage {d}" for d in range(sched.num_stages)])
+    ax.invert_yaxis()
+    ax.set(
+        xlabel="time (units of one forward)",
+        title=f"{sched.name} S={sched.num_stages} M={sched.num_microbatches}: bubble "
+        f"{sim.bubble_fraction:.1%} (red)",
+    )
+    return fig
+
+
+def balance_figure(balance: Sequence[dict[str, Any]]) -> Any:
+    """Microbatches assigned to each device over the steps the balancer recorded."""
+    if not balance:
+        raise MissingData("no balance.jsonl in the run (the balancer was not used)")
+    steps = [r["step"] for r in balance]
+    counts = [r["counts"] for r in balance]
+    fig = new_figure()
+    ax = fig.axes[0]
+    for d in range(len(counts[0])):
+        ax.step(steps, [c[d] for c in counts], where="post", label=f"device {d}")
+    ax.set(xlabel="step", ylabel="microbatches", title="balancer assignment per device")
+    ax.legend(fontsize=7, ncols=2)
+    ax.grid(alpha=0.3)
+    return fig
+
+
+def checkpoint_figure(checkpoints: Sequence[dict[str, Any]]) -> Any:
+    """Time the training loop was blocked by each checkpoint call."""
+    if not checkpoints:
+        raise MissingData("no checkpoints.jsonl in the run (no --checkpoint-dir)")
+    fig = new_figure()
+    ax = fig.axes[0]
+    ax.bar([r["step"] for r in checkpoints], [1e3 * r["blocking_s"] for r in checkpoints], color="tab:purple")
+    ax.set(xlabel="step", ylabel="ms blocked", title="checkpoint save time seen by the training loop")
+    return fig

@@ -1,0 +1,110 @@
+"""Per-device memory of a run: predicted from the plan's specs, resident from the arrays, compiled from XLA.
+
+* ``predicted``: params / grads / optimizer bytes per device from the plan's PartitionSpecs and the mesh sizes,
+  and activations as the plan's ``predicted_bytes`` minus that state (when the planner predicted a total).
+* ``compiled``: ``memory_analysis()`` of the compiled step (arguments, outputs, temporaries, aliased, peak).
+* ``per_device``: the bytes of params and optimizer state actually resident on each device (addressable shards).
+
+Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import PartitionSpec as P
+    >>> from openhosti_jax.report.memory import spec_bytes
+    >>> spec_bytes(jax.ShapeDtypeStruct((1024, 64), jnp.float32), P("fsdp", None), {"fsdp": 8})
+    32768
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from openhosti_jax.planner.plan import ShardingPlan
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, P)
+
+
+def spec_bytes(leaf: Any, spec: P, mesh_shape: Mapping[str, int]) -> int:
+    """Bytes of one device's shard of ``leaf`` (shape + dtype) under ``spec`` (ceil division per dim)."""
+    shape = list(leaf.shape)
+    for d, entry in enumerate(tuple(spec)[: len(shape)]):
+        names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        ways = math.prod(int(mesh_shape.get(n, 1)) for n in names)
+        shape[d] = -(-shape[d] // ways)
+    return math.prod(shape) * leaf.dtype.itemsize
+
+
+def tree_spec_bytes(tree: Any, specs: Any, mesh_shape: Mapping[str, int]) -> int:
+    """Per-device bytes of every leaf of ``tree`` under the matching leaf of ``specs``."""
+    leaves = jax.tree.leaves(tree)
+    spec_leaves = jax.tree.leaves(specs, is_leaf=_is_spec)
+    return sum(spec_bytes(x, s, mesh_shape) for x, s in zip(leaves, spec_leaves, strict=True))
+
+
+def predicted_memory(plan: ShardingPlan, params: Any, opt_state: Any) -> dict[str, int | None]:
+    """``{"params", "grads", "optimizer", "activations"}`` per-device bytes predicted from the plan."""
+    out: dict[str, int | None] = {
+        "params": tree_spec_bytes(params, plan.param_specs, plan.mesh_shape),
+        "grads": tree_spec_bytes(params, plan.grad_specs, plan.mesh_shape),
+        "optimizer": tree_spec_bytes(opt_state, plan.opt_specs, plan.mesh_shape),
+    }
+    state = out["params"] + out["grads"] + out["optimizer"]
+    out["activations"] = max(plan.predicted_bytes - state, 0) if plan.predicted_bytes else None
+    return out
+
+
+def compiled_memory(compiled: jax.stages.Compiled) -> dict[str, int] | None:
+    """``memory_analysis()`` fields per device, or ``None`` when the backend reports nothing."""
+    try:
+        stats = compiled.memory_analysis()
+    except (NotImplementedError, RuntimeError):
+        return None
+    if stats is None:
+        return None
+    out = {
+        "argument": int(stats.argument_size_in_bytes),
+        "output": int(stats.output_size_in_bytes),
+        "temp": int(stats.temp_size_in_bytes),
+        "alias": int(stats.alias_size_in_bytes),
+        "peak": int(getattr(stats, "peak_memory_in_bytes", 0) or 0),
+    }
+    return out if any(out.values()) else None
+
+
+def resident_memory(state: Any) -> list[dict[str, int]]:
+    """Per device (by id): bytes of the ``params`` and ``opt_state`` shards it holds."""
+    rows: dict[int, dict[str, int]] = {}
+    for name in ("params", "opt_state"):
+        for x in jax.tree.leaves(getattr(state, name)):
+            if not isinstance(x, jax.Array):
+                continue
+            for shard in x.addressable_shards:
+                row = rows.setdefault(shard.device.id, {"device": shard.device.id, "params": 0, "opt_state": 0})
+                row[name] += shard.data.nbytes
+    return [rows[k] for k in sorted(rows)]
+
+
+def plan_record(plan: ShardingPlan, state: Any, compiled: jax.stages.Compiled | None = None) -> dict[str, Any]:
+    """The ``plan.json`` record: plan summary, and the memory breakdown for ``state`` (and ``compiled``)."""
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (state.params, state.opt_state))
+    comp = compiled_memory(compiled) if compiled is not None else None
+    return {
+        "mesh": dict(plan.mesh_shape),
+        "zero_stage": plan.zero_stage,
+        "num_microbatches": plan.num_microbatches,
+        "pipeline_stages": plan.pipeline_stages,
+        "data_parallel_size": plan.data_parallel_size,
+        "predicted_bytes": plan.predicted_bytes,
+        "compiled_bytes": plan.compiled_bytes,
+        "notes": list(plan.notes),
+        "memory": {
+            "predicted": predicted_memory(plan, *abstract),
+            "compiled": comp,
+            "per_device": resident_memory(state),
+        },
+    }
