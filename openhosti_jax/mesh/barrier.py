@@ -1,0 +1,107 @@
+"""Barriers and agreement checks with a timeout that name the process that did not arrive, instead of hanging.
+
+Both work through the key-value store of the `jax.distributed` coordinator: each process writes its key, then
+waits until every process's key is there. On timeout the error lists the missing process ids and whether the
+coordinator still sees them alive (a slow or stuck process) or not (a dead one). With a single process both are
+no-ops. Every process must make the same sequence of calls with the same names.
+
+Example:
+    >>> from openhosti_jax.mesh.barrier import barrier, agree
+    >>> barrier("after-init", timeout_s=30)  # one process: returns at once
+    >>> agree("plan", "fsdp 1x8")
+    'fsdp 1x8'
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import defaultdict
+from typing import Any
+
+import jax
+
+from openhosti_jax.errors import DistributedError
+
+_PREFIX = "openhosti"
+_calls: defaultdict[str, itertools.count] = defaultdict(itertools.count)
+_POLL_S = 0.02
+
+
+def _client() -> Any | None:
+    from jax._src import distributed  # the coordinator's key-value client; no public accessor in jax 0.10
+
+    return distributed.global_state.client
+
+
+def _liveness(client: Any, ids: list[int]) -> dict[int, bool]:
+    try:
+        live = client.get_live_nodes(list(range(jax.process_count())))
+    except Exception:  # noqa: BLE001 - liveness is extra detail for the message; a failure must not mask it
+        return {}
+    return {i: i in live for i in ids}
+
+
+def _gather(kind: str, name: str, value: str, timeout_s: float) -> list[str] | None:
+    """Every process's ``value`` (by process id), or None on a single process; raises naming the missing ones."""
+    if not isinstance(name, str) or not name or "/" in name:
+        raise DistributedError(f"{kind} name must be a non-empty string without '/', found {name!r}")
+    if not timeout_s > 0:
+        raise DistributedError(f"{kind} timeout_s must be > 0, found {timeout_s!r}")
+    client = _client() if jax.process_count() > 1 else None
+    if client is None:
+        return None
+    n, me = jax.process_count(), jax.process_index()
+    directory = f"{_PREFIX}/{kind}/{name}/{next(_calls[f'{kind}/{name}'])}/"
+    client.key_value_set(directory + str(me), value)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = {int(k.rsplit("/", 1)[-1]): v for k, v in client.key_value_dir_get(directory)}
+        if len(found) == n:
+            return [found[i] for i in range(n)]
+        if time.monotonic() > deadline:
+            missing = [i for i in range(n) if i not in found]
+            live = _liveness(client, missing)
+            state = ", ".join(
+                f"process {i} ({'alive but not arrived' if live.get(i) else 'not alive' if i in live else '?'})"
+                for i in missing
+            )
+            raise DistributedError(
+                f"{kind} {name!r}: process {me} waited {timeout_s:g}s but {len(missing)} of {n} processes never "
+                f"arrived: {state}. Expected every process to reach the same {kind}; check the missing processes' "
+                "logs (a crash, a hang, or a code path that skips this call)"
+            )
+        time.sleep(_POLL_S)
+
+
+def barrier(name: str, *, timeout_s: float = 300.0) -> None:
+    """Wait until every process has called ``barrier(name)``; `DistributedError` naming the absent ones on timeout.
+
+    Example:
+        >>> barrier("checkpoint-committed", timeout_s=60)
+    """
+    _gather("barrier", name, "1", timeout_s)
+
+
+def agree(name: str, value: str, *, timeout_s: float = 300.0) -> str:
+    """Check that every process passes the same ``value`` (a plan, a config digest); return it.
+
+    Raises `DistributedError` naming the processes that differ from process 0, or that never arrived.
+
+    Example:
+        >>> agree("mesh", "data=1 fsdp=8")
+        'data=1 fsdp=8'
+    """
+    if not isinstance(value, str):
+        raise DistributedError(f"agree {name!r}: value must be a str (e.g. a digest), found {type(value).__name__}")
+    values = _gather("agree", name, value, timeout_s)
+    if values is None:
+        return value
+    differ = [i for i, v in enumerate(values) if v != values[0]]
+    if differ:
+        shown = "; ".join(f"process {i}: {values[i][:200]!r}" for i in differ)
+        raise DistributedError(
+            f"agree {name!r}: expected every process to hold process 0's value {values[0][:200]!r}, found {shown}. "
+            "Processes must compute this from the same config, seeds and library versions"
+        )
+    return value
