@@ -14,6 +14,7 @@ from openhosti_jax.pipeline import (
     StageCostModel,
     evaluate_partition,
     fewest_stages,
+    jaxpr_flops,
     layer_costs,
     partition,
     should_pipeline,
@@ -122,3 +123,15 @@ def test_fewest_stages_and_advice():
     a = should_pipeline(800, 1200, unpipelined_step_s=2.0, pipelined_step_s=1.0)
     assert a.use_pipeline and a.wins and not a.needed
     assert not should_pipeline(800, 1200).use_pipeline
+
+
+def test_jaxpr_flops_closed_forms():
+    import jax
+
+    a, b = jnp.ones((2, 8)), jnp.ones((8, 4))
+    assert jaxpr_flops(lambda a, b: a @ b, a, b) == 2 * 2 * 8 * 4
+    scanned = lambda x, w: jax.lax.scan(lambda c, _: (c @ w, None), x, None, length=3)[0]
+    assert jaxpr_flops(scanned, a, jnp.ones((8, 8))) == 3 * 2 * 2 * 8 * 8  # the loop body counted once per trip
+    k, x = jnp.ones((3, 3, 4, 8)), jnp.ones((1, 10, 10, 4))
+    conv = lambda k, x: jax.lax.conv_general_dilated(x, k, (1, 1), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    assert jaxpr_flops(conv, k, x) == 2 * (8 * 8 * 8) * (3 * 3 * 4)

@@ -90,8 +90,7 @@ def test_tick_table_replays_schedule(schedule):
         ops = t.table[:, d]
         run = [(int(r[f["op"]]), int(r[f["chunk"]]), int(r[f["microbatch"]])) for r in ops if r[f["op"]]]
         want = [
-            (FORWARD if a.kind == "F" else BACKWARD, schedule.chunk(d, a), a.microbatch)
-            for a in schedule.actions[d]
+            (FORWARD if a.kind == "F" else BACKWARD, schedule.chunk(d, a), a.microbatch) for a in schedule.actions[d]
         ]
         assert run == want
     # replay the buffers: every read finds the value that was written for that (chunk, microbatch)

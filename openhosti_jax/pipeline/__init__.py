@@ -7,7 +7,7 @@ Example:
 """
 
 from openhosti_jax.pipeline.advice import PipelineAdvice, fewest_stages, predicted_step_time, should_pipeline
-from openhosti_jax.pipeline.costs import LayerCost, layer_costs, split_modules, tree_bytes
+from openhosti_jax.pipeline.costs import LayerCost, jaxpr_flops, layer_costs, split_modules, tree_bytes
 from openhosti_jax.pipeline.executor import make_pipeline_step, pipeline_value_and_grad
 from openhosti_jax.pipeline.partition import (
     StageCostModel,
@@ -40,6 +40,7 @@ __all__ = [
     "fewest_stages",
     "gpipe",
     "interleaved_one_f_one_b",
+    "jaxpr_flops",
     "layer_costs",
     "make_pipeline_step",
     "make_schedule",

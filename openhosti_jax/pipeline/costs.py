@@ -54,6 +54,44 @@ def tree_bytes(tree: Any) -> int:
     return int(sum(np.prod(x.shape, dtype=np.int64) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
 
 
+def jaxpr_flops(fn: Callable[..., Any], *args: Any) -> float:
+    """FLOPs of ``fn(*args)`` counted from its jaxpr: ``2 * out * contracted`` per matmul, one per output element
+    of other primitives, loop bodies times their trip count. The fallback when ``cost_analysis()`` reports none.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> jaxpr_flops(lambda a, b: a @ b, jnp.ones((2, 8)), jnp.ones((8, 4)))
+        128.0
+    """
+    return _count(jax.make_jaxpr(fn)(*args).jaxpr)
+
+
+def _count(jaxpr: Any) -> float:
+    total = 0.0
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        subs = [v for v in eqn.params.values() if hasattr(v, "eqns") or hasattr(v, "jaxpr")]
+        subs += [b for v in eqn.params.values() if isinstance(v, tuple) for b in v if hasattr(b, "jaxpr")]
+        if subs:
+            inner = [_count(getattr(j, "jaxpr", j)) for j in subs]
+            trips = eqn.params.get("length", 1) if name == "scan" else 1
+            total += trips * (max(inner) if name in ("cond", "switch") else sum(inner))
+            continue
+        out = sum(float(np.prod(v.aval.shape)) for v in eqn.outvars if hasattr(v.aval, "shape"))
+        if name == "dot_general":
+            (lhs_contract, _), _ = eqn.params["dimension_numbers"]
+            lhs_shape = eqn.invars[0].aval.shape
+            total += 2.0 * out * float(np.prod([lhs_shape[d] for d in lhs_contract]))
+        elif name == "conv_general_dilated":
+            rhs_shape = eqn.invars[1].aval.shape
+            total += (
+                2.0 * out * float(np.prod(rhs_shape)) / max(rhs_shape[eqn.params["dimension_numbers"].rhs_spec[0]], 1)
+            )
+        else:
+            total += out
+    return total
+
+
 def layer_costs(
     layers: Sequence[Layer],
     params: Sequence[Any],
@@ -65,7 +103,8 @@ def layer_costs(
     """Costs of each layer, chaining abstract shapes from ``example_input`` (one microbatch) through them.
 
     Nothing runs: each layer is lowered and compiled ahead of time on abstract inputs and its
-    ``cost_analysis()`` read. ``peak_flops`` / ``bandwidth`` (per device) turn counts into a time estimate.
+    ``cost_analysis()`` read (`jaxpr_flops` where the backend reports no FLOPs). ``peak_flops`` /
+    ``bandwidth`` (per device) turn counts into a time estimate.
     """
     if len(layers) != len(params):
         raise PipelineError(
@@ -86,7 +125,7 @@ def layer_costs(
         if isinstance(analysis, list):  # older jax: one dict per computation
             analysis = analysis[0] if analysis else {}
         analysis = analysis or {}
-        flops = float(analysis.get("flops", 0.0))
+        flops = float(analysis.get("flops", 0.0)) or jaxpr_flops(layer, p_abs, x)
         moved = float(analysis.get("bytes accessed", 0.0))
         y = jax.eval_shape(layer, p_abs, x)
         out.append(
