@@ -14,6 +14,7 @@ from openhosti_jax.bridges.tensors import (
     to_torch,
     torch_to_numpy,
 )
+from openhosti_jax.bridges.torch_compute import wrap_for_torch
 from openhosti_jax.bridges.torch_data import TorchLoader
 from openhosti_jax.bridges.weights import LayerMap, flax_to_torch, layer_maps, torch_to_flax
 
@@ -33,4 +34,5 @@ __all__ = [
     "torch_to_flax",
     "to_torch",
     "torch_to_numpy",
+    "wrap_for_torch",
 ]
