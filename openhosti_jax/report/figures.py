@@ -29,9 +29,7 @@ def new_figure(ncols: int = 1) -> Any:
     try:
         from matplotlib.figure import Figure
     except ImportError as e:
-        raise ImportError(
-            "openhosti report needs matplotlib; install it with `pip install openhosti_jax[viz]`"
-        ) from e
+        raise ImportError("openhosti report needs matplotlib; install it with `pip install openhosti_jax[viz]`") from e
     fig = Figure(figsize=FIGSIZE, dpi=DPI, layout="constrained")
     fig.subplots(1, ncols)
     return fig
@@ -141,8 +139,7 @@ def pipeline_figure(schedule: dict[str, Any] | None) -> Any:
     ax.invert_yaxis()
     ax.set(
         xlabel="time (units of one forward)",
-        title=f"{sched.name} S={sched.num_stages} M={sched.num_microbatches}: bubble "
-        f"{sim.bubble_fraction:.1%} (red)",
+        title=f"{sched.name} S={sched.num_stages} M={sched.num_microbatches}: bubble {sim.bubble_fraction:.1%} (red)",
     )
     return fig
 

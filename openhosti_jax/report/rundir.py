@@ -92,8 +92,7 @@ def load_run(run_dir: str | os.PathLike) -> RunData:
     run_dir = os.fspath(run_dir)
     if not os.path.isdir(run_dir):
         raise OpenhostiError(
-            f"expected a run directory, found no directory at {run_dir!r}; pass the --run-dir used by "
-            "`openhosti train`"
+            f"expected a run directory, found no directory at {run_dir!r}; pass the --run-dir used by `openhosti train`"
         )
     metrics_path = os.path.join(run_dir, METRICS)
     if not os.path.exists(metrics_path):

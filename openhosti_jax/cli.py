@@ -1,0 +1,374 @@
+"""The ``openhosti`` command: train the demo, print a plan, draw a run's report, run benchmarks, launch jobs.
+
+    openhosti train --steps 50 --run-dir runs/gpt     # GPT demo on 8 simulated CPU devices
+    openhosti report runs/gpt                         # PNGs in runs/gpt/report/
+    openhosti plan --example gpt                      # the planner's report for the demo model
+    openhosti bench planner                           # benchmarks/planner.py (source checkout)
+    openhosti launch -n 2 -- python train.py          # N local processes, one coordinator
+    openhosti run -- python train.py                  # restart on failure (resumes from checkpoints)
+
+Exit codes: 0 success; 1 the job, benchmark or command failed; 2 usage error (bad flags, missing run
+directory, unknown benchmark, a feature not installed); 130 interrupted (Ctrl-C, checkpoint written).
+
+jax backends start only inside the subcommands, after ``--devices`` has set ``XLA_FLAGS``.
+
+Example:
+    >>> from openhosti_jax.cli import main
+    >>> main(["bench", "no-such-benchmark"])
+    2
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from openhosti_jax.errors import OpenhostiError
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+BENCHMARKS_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
+"""Where ``openhosti bench NAME`` looks for ``NAME.py`` (present in a source checkout only)."""
+
+_EPILOG = """exit codes:
+  0    success
+  1    the job, benchmark or launched command failed
+  2    usage error: bad flags, missing run directory, unknown benchmark, feature not installed
+  130  interrupted (Ctrl-C); a checkpoint was written when --checkpoint-dir was given
+"""
+
+
+class UsageError(Exception):
+    """Raised by a subcommand for a usage problem; `main` prints it and exits 2."""
+
+
+def _backends_started() -> bool:
+    if "jax" not in sys.modules:
+        return False
+    from jax._src import xla_bridge  # no public API says whether backends exist yet
+
+    return xla_bridge.backends_are_initialized()
+
+
+def _use_devices(count: int, accelerator: bool) -> list[Any]:
+    """The first ``count`` devices; on CPU forces ``count`` simulated devices if no backend has started yet."""
+    if count < 1:
+        raise UsageError(f"--devices must be >= 1, found {count}")
+    if not accelerator and not _backends_started():
+        flags = os.environ.get("XLA_FLAGS", "").split()
+        flags = [f for f in flags if not f.startswith("--xla_force_host_platform_device_count")]
+        os.environ["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={count}"])
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        import jax
+
+        jax.config.update("jax_platforms", "cpu")
+    import jax
+
+    devices = jax.devices()
+    if len(devices) < count:
+        raise UsageError(
+            f"--devices {count} asked for, found {len(devices)} {devices[0].platform} devices; jax started its "
+            "backend before the device count could be set: run `openhosti` in a fresh process or pass fewer devices"
+        )
+    return devices[:count]
+
+
+def _import(module: str, attr: str) -> Callable[..., Any]:
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise UsageError(f"{module}.{attr} is not available in this install ({e}); update openhosti_jax") from e
+
+
+def _command(args: argparse.Namespace) -> list[str]:
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        raise UsageError(f"`openhosti {args.command}` needs a command after `--`, e.g. -- python train.py")
+    return cmd
+
+
+class _TimedCheckpoint:
+    """Wraps a Trainer checkpoint object; logs how long each save call blocked the loop to checkpoints.jsonl."""
+
+    def __init__(self, inner: Any, run_dir: str):
+        self.inner, self.run_dir = inner, run_dir
+
+    def restore_latest(self, state: Any, data: Any) -> Any:
+        return self.inner.restore_latest(state, data)
+
+    def _timed(self, fn: Callable[..., Any], step: int, *a: Any) -> Any:
+        from openhosti_jax.report.rundir import CHECKPOINTS, append_jsonl
+
+        t0 = time.perf_counter()
+        out = fn(step, *a)
+        append_jsonl(self.run_dir, CHECKPOINTS, {"step": step, "blocking_s": time.perf_counter() - t0})
+        return out
+
+    def maybe_save(self, step: int, state: Any, data: Any) -> Any:
+        return self._timed(self.inner.maybe_save, step, state, data)
+
+    def finish(self, step: int, state: Any, data: Any) -> Any:
+        return self._timed(self.inner.finish, step, state, data)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """Train the GPT demo; with ``--run-dir`` write metrics.jsonl, plan.txt, plan.json there."""
+    devices = _use_devices(args.devices, args.accelerator)
+    import jax
+
+    from openhosti_jax.mesh import MeshConfig, build_mesh
+    from openhosti_jax.models.gpt import GPTConfig
+    from openhosti_jax.models.gpt_job import GPTJob, build_job
+    from openhosti_jax.planner.report import format_plan
+    from openhosti_jax.report.memory import plan_record
+    from openhosti_jax.report.rundir import METRICS, PLAN_JSON, PLAN_TXT, write_json
+    from openhosti_jax.train import Trainer
+
+    run_dir = args.run_dir
+    metrics = args.metrics or (os.path.join(run_dir, METRICS) if run_dir else None)
+    ckpt_dir = args.checkpoint_dir or (os.path.join(run_dir, "checkpoints") if run_dir and args.checkpoint else None)
+    model = GPTConfig.tiny(seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers)
+    job = GPTJob(
+        model=model,
+        steps=args.steps,
+        global_batch=args.batch,
+        num_sequences=max(args.num_sequences, args.batch),
+        learning_rate=args.lr,
+        plan=int(args.plan) if args.plan.isdigit() else args.plan,
+        seed=args.seed,
+        metrics_path=metrics,
+        progress=not args.no_progress,
+        print_plan=False,
+    )
+    mesh = build_mesh(MeshConfig(data=1, fsdp=-1), devices)
+    state, plan, step, data = build_job(job, mesh)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state.params)
+    text = format_plan(plan, abstract)
+    print(text)
+    if run_dir:
+        os.makedirs(run_dir, exist_ok=True)
+        Path(run_dir, PLAN_TXT).write_text(text + "\n")
+        batch = {"tokens": jax.ShapeDtypeStruct((job.global_batch, model.seq_len), jax.numpy.int32)}
+        compiled = step.lower(state, batch).compile()
+        write_json(run_dir, PLAN_JSON, plan_record(plan, state, compiled))
+    checkpoint = None
+    if ckpt_dir:
+        trainer_checkpoint = _import("openhosti_jax.checkpoint", "TrainerCheckpoint")
+        checkpoint = trainer_checkpoint(os.path.abspath(ckpt_dir), every_steps=args.checkpoint_every)
+        if run_dir:
+            checkpoint = _TimedCheckpoint(checkpoint, run_dir)
+    result = Trainer(step, metrics_path=metrics, progress=job.progress, checkpoint=checkpoint).fit(
+        state, data, num_steps=job.steps
+    )
+    losses = [h["loss"] for h in result.history]
+    if losses:
+        print(f"trained {len(losses)} steps: loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+    if run_dir:
+        print(f"run directory: {run_dir} (draw it with `openhosti report {run_dir}`)")
+    return EXIT_INTERRUPTED if result.interrupted else EXIT_OK
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Print the planner's report for a bundled example model."""
+    devices = _use_devices(args.devices, args.accelerator)
+    plan_example = _import("openhosti_jax.planner.demo", "plan_example")
+    _, report = plan_example(args.example, devices=devices, memory_budget=args.memory_budget)
+    print(report)
+    return EXIT_OK
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    """Draw a run directory's figures."""
+    if not os.path.isdir(args.run_dir):
+        raise UsageError(f"expected a run directory, found nothing at {args.run_dir!r}; see `openhosti train -h`")
+    from openhosti_jax.report.build import write_report
+
+    schedule = None
+    if args.schedule:
+        schedule = {
+            "kind": args.schedule,
+            "num_stages": args.stages,
+            "num_microbatches": args.microbatches,
+            "num_virtual": args.virtual,
+            "forward_times": 1.0,
+        }
+    rep = write_report(args.run_dir, args.out, schedule=schedule)
+    for name, path in rep.figures.items():
+        print(f"wrote {name:<12} {path}")
+    for name, why in rep.skipped.items():
+        print(f"skipped {name:<10} {why}")
+    s = rep.summary
+    if s.get("final_loss") is not None:
+        print(f"{s['steps']} steps, loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}")
+    return EXIT_OK
+
+
+def _benchmarks() -> list[str]:
+    return sorted(p.stem for p in BENCHMARKS_DIR.glob("*.py")) if BENCHMARKS_DIR.is_dir() else []
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Run ``benchmarks/NAME.py`` from a source checkout; its last stdout line is one JSON object."""
+    path = BENCHMARKS_DIR / f"{args.name}.py"
+    if not path.is_file():
+        available = _benchmarks()
+        where = f"found {available} in {BENCHMARKS_DIR}" if available else "this install has no benchmarks/ folder"
+        raise UsageError(
+            f"expected a benchmark script benchmarks/{args.name}.py, {where}; benchmarks ship with the source "
+            "checkout (git clone, then `pip install -e .`)"
+        )
+    rest = [a for a in args.args if a != "--"]
+    return EXIT_OK if subprocess.call([sys.executable, str(path), *rest]) == 0 else EXIT_FAILURE
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    """Start N local processes of a command wired to one jax.distributed coordinator."""
+    launch_local = _import("openhosti_jax.mesh.launch", "launch_local")
+    rc = launch_local(_command(args), args.num_processes, local_devices=args.local_devices, port=args.port)
+    return EXIT_OK if rc == 0 else EXIT_FAILURE
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """Run a command, restarting it when it fails (it resumes from its latest checkpoint)."""
+    run_with_restarts = _import("openhosti_jax.checkpoint", "run_with_restarts")
+    kw = {} if args.backoff_s is None else {"backoff_s": args.backoff_s}
+    rc = run_with_restarts(_command(args), max_restarts=args.max_restarts, **kw)
+    return EXIT_OK if rc == 0 else EXIT_FAILURE
+
+
+def _device_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--devices", type=int, default=8, help="devices to use; simulated CPU devices (default 8)")
+    p.add_argument("--accelerator", action="store_true", help="use the GPU/TPU instead of simulated CPU devices")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``openhosti`` argument parser (every subcommand documented in ``--help``)."""
+    fmt = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(prog="openhosti", description=__doc__.split("Example:")[0], formatter_class=fmt)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    t = sub.add_parser(
+        "train",
+        help="train the GPT demo",
+        epilog=_EPILOG,
+        formatter_class=fmt,
+        description="Train the bundled GPT on the bundled corpus; print the plan and progress.",
+    )
+    t.add_argument("--steps", type=int, default=50, help="optimizer steps (default 50)")
+    t.add_argument("--batch", type=int, default=32, help="global batch in sequences (default 32)")
+    t.add_argument("--plan", default="fsdp", help="fsdp | dp | zero1 | zero2 | auto | 0-3 (default fsdp)")
+    t.add_argument("--run-dir", help="write metrics.jsonl, plan.txt, plan.json (and checkpoint times) here")
+    t.add_argument("--metrics", help="JSONL metrics path (default RUN_DIR/metrics.jsonl)")
+    t.add_argument("--checkpoint-dir", help="save checkpoints here and resume from the latest one")
+    t.add_argument("--checkpoint", action="store_true", help="checkpoint into RUN_DIR/checkpoints")
+    t.add_argument("--checkpoint-every", type=int, default=None, help="also save every K steps")
+    t.add_argument("--seq-len", type=int, default=32, help="tokens per sequence (default 32)")
+    t.add_argument("--d-model", type=int, default=64, help="model width (default 64)")
+    t.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
+    t.add_argument("--num-sequences", type=int, default=2048, help="corpus size in sequences (default 2048)")
+    t.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate (default 3e-3)")
+    t.add_argument("--seed", type=int, default=0, help="init / data seed (default 0)")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _device_flags(t)
+    t.set_defaults(handler=cmd_train)
+
+    p = sub.add_parser(
+        "plan",
+        help="print the sharding plan for an example model",
+        epilog=_EPILOG,
+        formatter_class=fmt,
+        description="Plan a bundled example model and print the report.",
+    )
+    p.add_argument("--example", default="gpt", help="example model name (default gpt)")
+    p.add_argument("--memory-budget", type=int, default=None, help="per-device bytes (default: device memory)")
+    _device_flags(p)
+    p.set_defaults(handler=cmd_plan)
+
+    r = sub.add_parser(
+        "report",
+        help="draw PNG figures from a run directory",
+        epilog=_EPILOG,
+        formatter_class=fmt,
+        description="Loss, throughput, memory (predicted vs compiled), pipeline Gantt, balancer and "
+        "checkpoint figures from RUN_DIR; a figure whose data is missing is skipped with a note.",
+    )
+    r.add_argument("run_dir", metavar="RUN_DIR", help="directory written by `openhosti train --run-dir`")
+    r.add_argument("--out", help="output directory (default RUN_DIR/report)")
+    r.add_argument(
+        "--schedule",
+        choices=("gpipe", "1f1b", "interleaved"),
+        help="simulate this pipeline schedule when the run recorded none",
+    )
+    r.add_argument("--stages", type=int, default=4, help="pipeline stages for --schedule (default 4)")
+    r.add_argument("--microbatches", type=int, default=8, help="microbatches for --schedule (default 8)")
+    r.add_argument("--virtual", type=int, default=1, help="chunks per stage for interleaved (default 1)")
+    r.set_defaults(handler=cmd_report)
+
+    b = sub.add_parser(
+        "bench",
+        help="run benchmarks/NAME.py (source checkout)",
+        epilog=_EPILOG,
+        formatter_class=fmt,
+        description="Run a benchmark script; it prints one JSON object last.",
+    )
+    b.add_argument("name", metavar="NAME", help="benchmark name, e.g. planner, gpu_mfu")
+    b.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script (after --)")
+    b.set_defaults(handler=cmd_bench)
+
+    la = sub.add_parser(
+        "launch",
+        help="start N local processes of a command",
+        epilog=_EPILOG,
+        formatter_class=fmt,
+        description="openhosti launch -n 2 -- python train.py",
+    )
+    la.add_argument("-n", "--num-processes", type=int, required=True, help="processes to start")
+    la.add_argument("--local-devices", type=int, default=None, help="simulated CPU devices per process")
+    la.add_argument("--port", type=int, default=None, help="coordinator port on 127.0.0.1 (default: a free one)")
+    la.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the command to run")
+    la.set_defaults(handler=cmd_launch)
+
+    ru = sub.add_parser(
+        "run",
+        help="run a command with restarts on failure",
+        epilog=_EPILOG,
+        formatter_class=fmt,
+        description="openhosti run -- python train.py   (restarts resume from checkpoints)",
+    )
+    ru.add_argument("--max-restarts", type=int, default=3, help="restarts before giving up (default 3)")
+    ru.add_argument("--backoff-s", type=float, default=None, help="seconds to wait before a restart")
+    ru.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the command to run")
+    ru.set_defaults(handler=cmd_run)
+    parser.epilog = _EPILOG
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``openhosti`` console script; returns the exit code."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse: --help exits 0, bad flags exit 2
+        return int(e.code or 0)
+    try:
+        return args.handler(args)
+    except UsageError as e:
+        print(f"openhosti {args.command}: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except OpenhostiError as e:
+        print(f"openhosti {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
+        return EXIT_FAILURE
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())
