@@ -103,6 +103,7 @@ class CheckpointManager:
         self._mgr = _orbax_manager(self.directory, keep, async_save=async_save, read_only=False)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="openhosti-checkpoint")
         self._pending: list[Future[None]] = []
+        self._started: set[int] = set()
         self._last_save = time.monotonic()
         self._signal: int | None = None
         self._old_handlers: dict[int, Any] = {}
@@ -129,7 +130,7 @@ class CheckpointManager:
         signalled = self._signal is not None
         if not (force or signalled or self.policy.due(step, time.monotonic() - self._last_save)):
             return False
-        if step in _good_steps(self.directory):
+        if step in self._started or step in _good_steps(self.directory):
             return False
         if (self.directory / str(step)).exists():  # committed before a crash but never checksummed
             self._mgr.reload()
@@ -156,6 +157,7 @@ class CheckpointManager:
             meta=ocp.args.JsonSave({"user": meta or {}, "openhosti": info}),
         )
         self._mgr.save(step, args=args, force=True)
+        self._started.add(step)
         self._last_save = time.monotonic()
         self._pending.append(self._worker.submit(self._finish, step))
         if signalled:

@@ -78,5 +78,8 @@ def run_with_restarts(
                 return rc
         return rc
     finally:
+        if child and child[0].poll() is None:  # the supervisor itself failed: leave no orphan behind
+            child[0].kill()
+            child[0].wait()
         for s, h in old.items():
             signal.signal(s, h)
