@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from openhosti_jax.errors import ShardingError
 from openhosti_jax.mesh.build import mesh_sizes
 from openhosti_jax.mesh.config import AXES, BATCH_AXES
-from openhosti_jax.optim.zero import zero_specs
+from openhosti_jax.optim.zero import ZERO_AXES, zero_specs
 from openhosti_jax.planner.specs import DEFAULT_MIN_ELEMENTS, spec_axes, validate_specs
 
 
@@ -58,6 +58,14 @@ class ShardingPlan:
     """Per-device bytes from the AOT-compiled step's `memory_analysis()`, if it was compiled."""
     notes: tuple[str, ...] = ()
     """Why this plan was chosen, one line each."""
+    predicted_seconds: float | None = None
+    """Cost model's step time, if a cost model was run."""
+    predicted_comm_bytes: int | None = None
+    """Cost model's bytes sent per device per step by collectives."""
+    param_shapes: Any = None
+    """Abstract parameter tree the plan was made for (printing shows shapes, the audit lists big leaves)."""
+    candidates: tuple[str, ...] = ()
+    """The search's ranking, one formatted line per candidate (best first)."""
 
     def __post_init__(self) -> None:
         unknown = set(self.mesh_shape) - set(AXES)
@@ -77,11 +85,15 @@ class ShardingPlan:
         *,
         base_specs: Any | None = None,
         min_elements: int = DEFAULT_MIN_ELEMENTS,
+        zero_axes: tuple[str, ...] = ZERO_AXES,
         **fields: Any,
     ) -> ShardingPlan:
-        """The plan for a fixed mesh and ZeRO stage, with automatic specs for unannotated leaves."""
+        """The plan for a fixed mesh and ZeRO stage (sharding over ``zero_axes``), with automatic specs for
+        unannotated leaves; ``base_specs`` (a tree like ``params``) are kept and ZeRO adds its axes on top."""
         sizes = {a: int(mesh_shape.get(a, 1)) for a in AXES}
-        p, g, o = zero_specs(params, tx, sizes, zero_stage, base_specs=base_specs, min_elements=min_elements)
+        p, g, o = zero_specs(
+            params, tx, sizes, zero_stage, base_specs=base_specs, axes=zero_axes, min_elements=min_elements
+        )
         return cls(sizes, p, g, o, zero_stage=zero_stage, **fields)
 
     @property

@@ -46,7 +46,10 @@ def leaf_rows(plan: ShardingPlan, params: object | None = None, top: int = 8) ->
 
 
 def format_plan(plan: ShardingPlan, params: object | None = None) -> str:
-    """The plan as a table (add ``params`` to print leaf shapes, largest first)."""
+    """The plan as a table (leaf shapes, largest first, from ``params`` or the plan's ``param_shapes``)."""
+    from openhosti_jax.planner.audit import unsharded_leaves
+
+    params = params if params is not None else plan.param_shapes
     mesh = " x ".join(f"{a}={n}" for a, n in plan.mesh_shape.items())
     n_sharded = sum(1 for s in jax.tree.leaves(plan.param_specs, is_leaf=lambda x: isinstance(x, P)) if spec_axes(s))
     n_total = len(jax.tree.leaves(plan.param_specs, is_leaf=lambda x: isinstance(x, P)))
@@ -59,10 +62,23 @@ def format_plan(plan: ShardingPlan, params: object | None = None) -> str:
         f"  pipeline stages {plan.pipeline_stages}",
         f"  sharded leaves  {n_sharded}/{n_total}",
         f"  memory/device   predicted {format_bytes(plan.predicted_bytes)}, "
-        f"compiled {format_bytes(plan.compiled_bytes)}",
-        "  parameter specs:",
+        f"compiled {format_bytes(plan.compiled_bytes)}"
+        + (
+            f" (ratio {plan.predicted_bytes / plan.compiled_bytes:.2f})"
+            if plan.predicted_bytes and plan.compiled_bytes
+            else ""
+        ),
+        f"  comm/step       {format_bytes(plan.predicted_comm_bytes)} sent per device"
+        + (f", predicted step {plan.predicted_seconds * 1e3:.2f} ms" if plan.predicted_seconds is not None else ""),
+        "  parameter specs (largest first):",
         *leaf_rows(plan, params),
     ]
+    audit = unsharded_leaves(plan, params)
+    if audit:
+        lines += ["  largest unsharded leaves:"]
+        lines += [f"    {path:<46} {str(shape):<18} {format_bytes(n)}" for path, shape, n in audit]
+    if plan.candidates:
+        lines += ["  candidates (best first):", *[f"    {c}" for c in plan.candidates]]
     if plan.notes:
         lines += ["  why:", *[f"    {n}" for n in plan.notes]]
     return "\n".join(lines)

@@ -1,0 +1,90 @@
+"""`plan`: choose mesh shape, ZeRO stage and per-leaf specs for a model from abstract shapes, then verify.
+
+Example:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> from flax import nnx
+    >>> from openhosti_jax.planner import plan
+    >>> p = plan(nnx.Linear(512, 512, rngs=nnx.Rngs(0)), optax.adam(1e-3),
+    ...          jax.ShapeDtypeStruct((64, 512), jnp.float32), verify=False, device_profile="H100")
+    >>> sorted(p.mesh_shape) == ["data", "fsdp", "stage", "tensor"], p.zero_stage in (0, 1, 2, 3)
+    (True, True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import optax
+
+from openhosti_jax.mesh.build import build_mesh
+from openhosti_jax.mesh.config import MeshConfig
+from openhosti_jax.planner.plan import ShardingPlan
+from openhosti_jax.planner.profile import DeviceProfile
+from openhosti_jax.planner.profile import device_profile as resolve_profile
+from openhosti_jax.planner.report import format_bytes
+from openhosti_jax.planner.rules import DEFAULT_RULES, Rules
+from openhosti_jax.planner.search import candidate_lines, enumerate_candidates, rank, search, why
+from openhosti_jax.planner.verify import compiled_step_bytes, default_step
+from openhosti_jax.planner.workload import workload
+
+VERIFY_TRIES = 3
+"""Candidates compiled at most when the compiled bytes of the first exceed the budget."""
+
+
+def plan(
+    init_fn_or_model: Any,
+    optimizer: optax.GradientTransformation,
+    sample_batch: Any,
+    devices: Sequence[jax.Device] | None = None,
+    memory_budget: int | None = None,
+    *,
+    step_fn: Callable | None = None,
+    pipeline: bool = False,
+    verify: bool = True,
+    device_profile: DeviceProfile | str | None = None,
+    rules: Rules = DEFAULT_RULES,
+    apply_fn: Callable | None = None,
+) -> ShardingPlan:
+    """The best `ShardingPlan` for training ``init_fn_or_model`` with ``optimizer`` on ``devices``.
+
+    ``init_fn_or_model``: an ``nnx.Module``, a linen module (initialised on ``sample_batch``) or an
+    ``init_fn(rng)`` returning either. ``sample_batch``: the global batch (arrays or ShapeDtypeStructs).
+    ``memory_budget``: bytes per device (default: the device profile's memory; none on CPU).
+    ``step_fn(state, batch) -> (state, metrics)`` is the step compiled for verification (default: the mean
+    model output as loss). ``pipeline`` adds the ``stage`` axis to the search (scored, not compiled).
+    ``device_profile``: a `DeviceProfile` or a `PROFILES` name; default spec sheet or CPU calibration.
+    Raises `MemoryBudgetError` when nothing fits, naming the smallest achievable memory.
+    """
+    devices = list(devices or jax.devices())
+    work = workload(init_fn_or_model, sample_batch, apply_fn=apply_fn)
+    profile = resolve_profile(devices, device_profile)
+    budget = memory_budget if memory_budget is not None else profile.memory_bytes
+    scored = search(work, optimizer, enumerate_candidates(len(devices), pipeline=pipeline), profile, rules=rules)
+    ranked = rank(scored, budget)
+    notes = list(why(ranked, scored, budget))
+    notes.append(f"device profile: {profile.name}")
+    if work.apply_fn is None:
+        notes.append("no apply function: activations and FLOPs unknown, chosen on state memory and traffic")
+    winner = ranked[0].plan
+    can_compile = verify and (step_fn is not None or work.apply_fn is not None)
+    for tried, scored_plan in enumerate(ranked[:VERIFY_TRIES] if can_compile else []):
+        candidate = scored_plan.plan
+        if candidate.pipeline_stages > 1:
+            notes.append("pipelined winner: not AOT-compiled (the plain step has no stage axis)")
+            break
+        mesh = build_mesh(MeshConfig.from_sizes(dict(candidate.mesh_shape)), devices)
+        compiled = compiled_step_bytes(candidate, work, optimizer, step_fn or default_step, mesh)
+        winner = dataclasses.replace(candidate, compiled_bytes=compiled)
+        if compiled is None or budget is None or compiled <= budget:
+            if tried:
+                notes.insert(
+                    0,
+                    f"{scored_plan.candidate.label}: the first {tried} by prediction compiled over "
+                    f"the budget {format_bytes(budget)}",
+                )
+            break
+        notes.append(f"{scored_plan.candidate.label} compiled to {format_bytes(compiled)} > budget; trying next")
+    return dataclasses.replace(winner, notes=tuple(notes), candidates=candidate_lines(ranked))

@@ -1,0 +1,145 @@
+"""The analytic cost model: per-device memory and per-step time of a `ShardingPlan` for a `Workload`.
+
+Memory (bytes per device): parameters + optimizer state as sharded, the local batch, and the step's temporaries:
+``max(saved activations, unreduced local gradients)`` (XLA reuses freed activation buffers for gradients) plus,
+under ZeRO-3, the gathered copy of the parameters. Time (seconds, no overlap assumed): matmul FLOPs / peak,
+activation and optimizer-update bytes / memory bandwidth, and every collective priced per leaf by the profile's
+alpha-beta model (all-reduce 2(n-1)/n, all-gather and reduce-scatter (n-1)/n of the bytes over the bandwidth).
+
+Example:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> from openhosti_jax.planner.cost import estimate
+    >>> from openhosti_jax.planner.plan import ShardingPlan
+    >>> from openhosti_jax.planner.profile import PROFILES
+    >>> from openhosti_jax.planner.workload import Workload
+    >>> params = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.float32)}
+    >>> w = Workload(params, None, None, None, 8, 0.0, 0.0, 1)
+    >>> plan = ShardingPlan.from_zero(params, optax.adam(1e-3), {"fsdp": 8}, 3)
+    >>> estimate(plan, w, optax.adam(1e-3), PROFILES["H100"]).memory["state"] == 12 * 2**20 // 8
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import PartitionSpec as P
+
+from openhosti_jax.planner.plan import ShardingPlan
+from openhosti_jax.planner.profile import DeviceProfile
+from openhosti_jax.planner.specs import local_shape, spec_axes
+from openhosti_jax.planner.workload import Workload
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """Predicted per-device memory and per-step time, with their parts."""
+
+    memory: dict[str, float]
+    """Bytes per device by part: state, batch, temporaries, total."""
+    time: dict[str, float]
+    """Seconds per step by part: compute, memory, collectives, total."""
+    comm_bytes: float
+    """Bytes each device sends per step (bus traffic of every collective)."""
+
+    @property
+    def bytes(self) -> int:
+        """Total predicted bytes per device."""
+        return int(self.memory["total"])
+
+    @property
+    def seconds(self) -> float:
+        """Total predicted seconds per step."""
+        return self.time["total"]
+
+
+def _specs(tree: Any) -> list[P]:
+    return jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, P))
+
+
+def _nbytes(shape: tuple[int, ...], dtype: Any) -> int:
+    return math.prod(shape) * np.dtype(dtype).itemsize
+
+
+def _local(shape: tuple[int, ...], dtype: Any, spec: P, sizes: dict[str, int]) -> int:
+    return _nbytes(local_shape(shape, spec, sizes), dtype)
+
+
+def _group(spec: P, base: P, sizes: dict[str, int]) -> int:
+    """How many devices share (shard) a leaf beyond its base (tensor-parallel) spec."""
+    extra = set(spec_axes(spec)) - set(spec_axes(base))
+    return math.prod(sizes[a] for a in extra)
+
+
+def estimate(
+    plan: ShardingPlan,
+    work: Workload,
+    tx: optax.GradientTransformation,
+    profile: DeviceProfile,
+    base_specs: Any | None = None,
+    sharded_specs: Any | None = None,
+) -> Estimate:
+    """Predicted memory and step time of ``plan`` for ``work`` on devices described by ``profile``.
+
+    ``base_specs`` are the specs before ZeRO (tensor parallel / annotations) and ``sharded_specs`` the fully
+    ZeRO-sharded ones; they default to the plan's gradient specs (exact for stage 0 and for stage 3).
+    """
+    sizes = {a: int(n) for a, n in plan.mesh_shape.items()}
+    params = jax.tree.leaves(work.params)
+    p_specs, g_specs = _specs(plan.param_specs), _specs(plan.grad_specs)
+    base = _specs(base_specs) if base_specs is not None else g_specs
+    sharded = _specs(sharded_specs) if sharded_specs is not None else g_specs
+    opt = jax.tree.leaves(jax.eval_shape(tx.init, work.params))
+    o_specs = _specs(plan.opt_specs)
+    dp, t = plan.data_parallel_size, sizes.get("tensor", 1)
+    stages = sizes.get("stage", 1)
+    b_local = work.global_batch / dp
+
+    param_local = sum(_local(x.shape, x.dtype, s, sizes) for x, s in zip(params, p_specs, strict=True))
+    opt_local = sum(_local(x.shape, x.dtype, s, sizes) for x, s in zip(opt, o_specs, strict=True))
+    grads_full = sum(_local(x.shape, x.dtype, s, sizes) for x, s in zip(params, base, strict=True))
+    gathered = grads_full - param_local
+    act = work.activation_bytes_per_example * b_local
+    batch = sum(_nbytes(x.shape, x.dtype) for x in jax.tree.leaves(work.batch)) / dp
+    state = (param_local + opt_local) / stages
+    temp = (max(act, grads_full) + gathered) / stages
+    memory = {"state": state, "batch": batch, "temporaries": temp, "total": state + batch + temp}
+
+    comm_s, comm_b = 0.0, 0.0
+    upd_param = 0.0  # parameter bytes each device updates
+
+    def coll(kind: str, nbytes: float, n: int) -> None:
+        nonlocal comm_s, comm_b
+        if n > 1 and nbytes > 0:
+            comm_s += profile.collective_seconds(kind, nbytes, n)
+            comm_b += (2.0 if kind == "all_reduce" else 1.0) * (n - 1) / n * nbytes
+
+    for x, zs, bs in zip(params, sharded, base, strict=True):
+        full = _local(x.shape, x.dtype, bs, sizes)
+        z = _group(zs, bs, sizes) if plan.zero_stage >= 1 else 1
+        if plan.zero_stage >= 2:
+            coll("reduce_scatter", full, z)
+            coll("all_reduce", full / z, dp // z)
+        else:
+            coll("all_reduce", full, dp)
+        coll("all_gather", full, z)
+        upd_param += full / z
+    tokens = b_local * work.tokens_per_example
+    if t > 1:
+        for x, bs in zip(params, base, strict=True):
+            if len(x.shape) == 2 and "tensor" in spec_axes(bs):
+                width = x.shape[1] if bs[0] is not None else x.shape[0]
+                coll("all_reduce", tokens * width * work.activation_itemsize, t)
+    flops = work.flops_per_example * b_local / t
+    mem_bytes = 2 * act + 2 * upd_param + upd_param + 2 * opt_local
+    compute = flops / profile.peak_flops
+    bandwidth = mem_bytes / profile.memory_bandwidth
+    bubble = 1.0 + (stages - 1) / max(plan.num_microbatches, stages) if stages > 1 else 1.0
+    total = (compute + bandwidth) / stages * bubble + comm_s
+    time = {"compute": compute, "memory": bandwidth, "collectives": comm_s, "total": total}
+    return Estimate(memory, time, comm_b)

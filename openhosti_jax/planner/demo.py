@@ -1,0 +1,63 @@
+"""The plan behind ``openhosti plan --example gpt``: the bundled GPT with Adam, planned and AOT-verified.
+
+Example:
+    >>> from openhosti_jax.planner.demo import EXAMPLES
+    >>> sorted(EXAMPLES)
+    ['gpt', 'gpt-tiny']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from openhosti_jax.errors import PlanningError
+from openhosti_jax.models.gpt import GPT, GPTConfig, next_token_loss
+from openhosti_jax.planner.auto import plan
+from openhosti_jax.planner.plan import ShardingPlan
+from openhosti_jax.planner.report import format_plan
+
+EXAMPLES: dict[str, tuple[GPTConfig, int]] = {
+    "gpt": (GPTConfig(seq_len=64, d_model=128, n_heads=4, n_layers=4), 16),
+    "gpt-tiny": (GPTConfig.tiny(), 16),
+}
+"""Example name -> (model config, global batch)."""
+
+
+def gpt_step(state: Any, tokens: jax.Array) -> tuple[Any, Any]:
+    """One next-token training step for the GPT example."""
+
+    def loss(p: Any) -> jax.Array:
+        total, count = next_token_loss(state.apply_fn(p, tokens, state.model_state), tokens)
+        return total / count
+
+    value, grads = jax.value_and_grad(loss)(state.params)
+    return state.apply_gradients(grads=grads), {"loss": value}
+
+
+def example_inputs(name: str) -> tuple[Any, optax.GradientTransformation, jax.ShapeDtypeStruct]:
+    """(init_fn, optimizer, abstract token batch) of an example."""
+    if name not in EXAMPLES:
+        raise PlanningError(f"unknown example {name!r}; expected one of {sorted(EXAMPLES)}")
+    cfg, batch = EXAMPLES[name]
+    return (
+        (lambda r: GPT(cfg, rngs=nnx.Rngs(r))),
+        optax.adam(1e-3),
+        jax.ShapeDtypeStruct((batch, cfg.seq_len), jnp.int32),
+    )
+
+
+def plan_example(
+    name: str = "gpt", devices: Sequence[jax.Device] | None = None, memory_budget: int | None = None
+) -> tuple[ShardingPlan, str]:
+    """(plan, printable report) for an example model on ``devices`` (default: all)."""
+    init_fn, tx, batch = example_inputs(name)
+    the_plan = plan(init_fn, tx, batch, devices, memory_budget, step_fn=gpt_step)
+    cfg, n = EXAMPLES[name]
+    header = f"example {name}: GPT {cfg.num_params():,} parameters, batch {n} x {cfg.seq_len} tokens, Adam"
+    return the_plan, header + "\n" + format_plan(the_plan)

@@ -1,0 +1,235 @@
+"""Search over mesh shapes x ZeRO stages, scored by the cost model; `plan_on_mesh` for a mesh fixed by the user.
+
+Candidates factor the device count over ``data`` / ``fsdp`` / ``tensor`` (and ``stage`` when pipelining). ZeRO
+stage 0 uses ``data`` only; stages 1-3 shard over ``fsdp`` and replicate over ``data`` (hybrid sharding when both
+are > 1), so every candidate is a distinct placement. The winner is the fastest predicted candidate whose
+predicted memory fits the budget; candidates within 2% of it count as ties, broken by the lower ZeRO stage, then
+the smaller tensor axis.
+
+Example:
+    >>> from openhosti_jax.planner.search import enumerate_candidates
+    >>> [c.label for c in enumerate_candidates(2)]
+    ['data=2 zero0', 'fsdp=2 zero1', 'fsdp=2 zero2', 'fsdp=2 zero3', 'tensor=2 zero0']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import optax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from openhosti_jax.errors import MemoryBudgetError, PlanningError
+from openhosti_jax.mesh.build import mesh_sizes
+from openhosti_jax.mesh.config import AXES
+from openhosti_jax.optim.zero import ZERO_AXES, zero_specs
+from openhosti_jax.planner.cost import Estimate, estimate
+from openhosti_jax.planner.plan import ShardingPlan
+from openhosti_jax.planner.profile import DeviceProfile, device_profile
+from openhosti_jax.planner.report import format_bytes
+from openhosti_jax.planner.rules import DEFAULT_RULES, Rules
+from openhosti_jax.planner.specs import DEFAULT_MIN_ELEMENTS, spec_axes
+from openhosti_jax.planner.tensor import base_specs
+from openhosti_jax.planner.workload import ApplyFn, Workload, measure
+
+TIE = 0.02
+"""Predicted times within this fraction of the best are ties."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One point of the search: axis sizes, ZeRO stage and the axes ZeRO shards over."""
+
+    mesh_shape: dict[str, int]
+    """Axis name -> size, every axis of `AXES`."""
+    zero_stage: int
+    """0-3."""
+    zero_axes: tuple[str, ...] = ZERO_AXES
+    """Axes ZeRO shards state over."""
+
+    @property
+    def label(self) -> str:
+        """e.g. ``"data=2 fsdp=4 zero3"``."""
+        axes = " ".join(f"{a}={n}" for a, n in self.mesh_shape.items() if n > 1) or "1 device"
+        return f"{axes} zero{self.zero_stage}"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Scored:
+    """A candidate with its plan and predicted cost."""
+
+    candidate: Candidate
+    plan: ShardingPlan
+    estimate: Estimate
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def enumerate_candidates(n_devices: int, *, pipeline: bool = False, tensor: bool = True) -> list[Candidate]:
+    """Every distinct (mesh shape, ZeRO stage) for ``n_devices``."""
+    out = []
+    for s in _divisors(n_devices) if pipeline else [1]:
+        for t in _divisors(n_devices // s) if tensor else [1]:
+            rest = n_devices // (s * t)
+            for f in _divisors(rest):
+                shape = {"stage": s, "data": rest // f, "fsdp": f, "tensor": t}
+                stages = [0] if f == 1 else [1, 2, 3]
+                axes = ("fsdp",) if rest // f > 1 else ZERO_AXES
+                out += [Candidate(shape, z, axes) for z in stages]
+    return out
+
+
+def score(
+    work: Workload,
+    tx: optax.GradientTransformation,
+    candidate: Candidate,
+    profile: DeviceProfile,
+    *,
+    rules: Rules = DEFAULT_RULES,
+    min_elements: int = DEFAULT_MIN_ELEMENTS,
+) -> Scored:
+    """The plan and predicted cost of one candidate."""
+    sizes = candidate.mesh_shape
+    treedef = jax.tree.structure(work.params)
+    base = jax.tree.unflatten(treedef, base_specs(work.params, sizes, rules))
+    plan = ShardingPlan.from_zero(
+        work.params,
+        tx,
+        sizes,
+        candidate.zero_stage,
+        base_specs=base,
+        min_elements=min_elements,
+        zero_axes=candidate.zero_axes,
+        pipeline_stages=sizes["stage"],
+        param_shapes=work.params,
+    )
+    sharded = zero_specs(
+        work.params, tx, sizes, 3, base_specs=base, axes=candidate.zero_axes, min_elements=min_elements
+    )[0]
+    est = estimate(plan, work, tx, profile, base, sharded)
+    plan = dataclasses.replace(
+        plan, predicted_bytes=est.bytes, predicted_seconds=est.seconds, predicted_comm_bytes=int(est.comm_bytes)
+    )
+    return Scored(candidate, plan, est)
+
+
+def _uses_tensor(scored: Scored) -> bool:
+    specs = jax.tree.leaves(scored.plan.param_specs, is_leaf=lambda x: isinstance(x, P))
+    return any("tensor" in spec_axes(s) for s in specs)
+
+
+def search(
+    work: Workload,
+    tx: optax.GradientTransformation,
+    candidates: Sequence[Candidate],
+    profile: DeviceProfile,
+    **kw: Any,
+) -> list[Scored]:
+    """Score every candidate whose data-parallel size divides the batch (and whose tensor axis is used)."""
+    out = []
+    for c in candidates:
+        dp = c.mesh_shape["data"] * c.mesh_shape["fsdp"]
+        if work.global_batch % dp:
+            continue
+        s = score(work, tx, c, profile, **kw)
+        if c.mesh_shape["tensor"] > 1 and not _uses_tensor(s):
+            continue
+        out.append(s)
+    if not out:
+        raise PlanningError(
+            f"no candidate mesh divides the global batch {work.global_batch} over its data-parallel axes; "
+            "use a batch that is a multiple of the device count"
+        )
+    return out
+
+
+def _key(s: Scored, best: float) -> tuple:
+    tied = s.estimate.seconds <= best * (1 + TIE)
+    return (not tied, s.candidate.zero_stage if tied else 0, s.candidate.mesh_shape["tensor"], s.estimate.seconds)
+
+
+def rank(scored: Sequence[Scored], memory_budget: int | None) -> list[Scored]:
+    """Fitting candidates best first; raise `MemoryBudgetError` (with the smallest need) when none fits."""
+    fits = [s for s in scored if memory_budget is None or s.estimate.bytes <= memory_budget]
+    if not fits:
+        smallest = min(scored, key=lambda s: s.estimate.bytes)
+        raise MemoryBudgetError(
+            f"no sharding fits the memory budget of {format_bytes(memory_budget)} per device; the smallest "
+            f"achievable is {format_bytes(smallest.estimate.bytes)} ({smallest.estimate.bytes} bytes) with "
+            f"{smallest.candidate.label}. Raise the budget, use more devices, or shrink the batch/microbatch"
+        )
+    best = min(s.estimate.seconds for s in fits)
+    return sorted(fits, key=lambda s: _key(s, best))
+
+
+def why(ranked: Sequence[Scored], scored: Sequence[Scored], memory_budget: int | None) -> tuple[str, ...]:
+    """One-line reasons the first of ``ranked`` won."""
+    win = ranked[0]
+    over = len(scored) - len(ranked)
+    notes = [
+        f"{win.candidate.label}: predicted {win.estimate.seconds * 1e3:.2f} ms/step, "
+        f"{format_bytes(win.estimate.bytes)}/device, {format_bytes(win.estimate.comm_bytes)} sent/step",
+        f"{len(scored)} candidates scored; {over} exceed the budget {format_bytes(memory_budget)}"
+        if memory_budget is not None
+        else f"{len(scored)} candidates scored; no memory budget",
+    ]
+    if len(ranked) > 1:
+        nxt = ranked[1]
+        ratio = nxt.estimate.seconds / max(win.estimate.seconds, 1e-12)
+        notes.append(
+            f"runner-up {nxt.candidate.label}: {ratio:.2f}x the predicted time"
+            + (" (a tie, lower ZeRO stage preferred)" if ratio <= 1 + TIE else "")
+        )
+    return tuple(notes)
+
+
+def candidate_lines(ranked: Sequence[Scored], top: int = 8) -> tuple[str, ...]:
+    """Ranking table rows."""
+    return tuple(
+        f"{s.candidate.label:<32} {s.estimate.seconds * 1e3:9.2f} ms  {format_bytes(s.estimate.bytes):>12}"
+        f"  comm {format_bytes(s.estimate.comm_bytes):>12}"
+        for s in ranked[:top]
+    )
+
+
+def plan_on_mesh(
+    abstract_params: Any,
+    tx: optax.GradientTransformation,
+    mesh: Mesh,
+    *,
+    memory_budget: int | None = None,
+    sample_batch: Any | None = None,
+    step_fn: Any | None = None,
+    apply_fn: ApplyFn | None = None,
+    model_state: Any = None,
+    device_profile_: DeviceProfile | str | None = None,
+    rules: Rules = DEFAULT_RULES,
+    verify: bool = True,
+) -> ShardingPlan:
+    """The best ZeRO stage (and tensor-parallel specs when ``tensor`` > 1) on a given ``mesh``.
+
+    Without ``sample_batch`` (and ``apply_fn``) activations are unknown and the choice rests on state memory and
+    gradient traffic. With ``step_fn`` and ``sample_batch`` the winner is AOT-compiled to record its bytes.
+    """
+    sizes = {a: mesh_sizes(mesh).get(a, 1) for a in AXES}
+    dp = sizes["data"] * sizes["fsdp"]
+    batch = sample_batch if sample_batch is not None else jax.ShapeDtypeStruct((dp,), "float32")
+    work = measure(abstract_params, model_state, apply_fn if sample_batch is not None else None, batch)
+    profile = device_profile(list(mesh.devices.flat), device_profile_)
+    budget = memory_budget if memory_budget is not None else profile.memory_bytes
+    stages = [0] if dp == 1 else [0, 1, 2, 3]
+    scored = search(work, tx, [Candidate(sizes, z) for z in stages], profile, rules=rules)
+    ranked = rank(scored, budget)
+    winner = ranked[0].plan
+    plan = dataclasses.replace(winner, notes=why(ranked, scored, budget), candidates=candidate_lines(ranked))
+    if verify and step_fn is not None and sample_batch is not None:
+        from openhosti_jax.planner.verify import compiled_step_bytes
+
+        plan = dataclasses.replace(plan, compiled_bytes=compiled_step_bytes(plan, work, tx, step_fn, mesh))
+    return plan

@@ -1,0 +1,182 @@
+"""What one training step asks of a device, from abstract shapes only: parameters, FLOPs, saved activations.
+
+`workload` turns a model (an ``nnx.Module``, a linen module, or an ``init_fn(rng)``) and a sample batch into a
+`Workload`. Activation bytes are the residuals reverse-mode AD saves for the backward pass (``jax.vjp`` traced
+with `jax.make_jaxpr`, nothing allocated), minus those XLA can recompute inside a fusion: a residual made by an
+elementwise op whose inputs are all saved anyway. Measuring at two batch sizes and taking the difference gives
+the per-example cost with parameters and constants cancelled out.
+
+Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from openhosti_jax.planner.workload import workload
+    >>> w = workload(nnx.Linear(256, 512, rngs=nnx.Rngs(0)), jax.ShapeDtypeStruct((8, 256), jnp.float32))
+    >>> w.global_batch, w.flops_per_example  # 3 x (2 * 256 * 512)
+    (8, 786432.0)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import linen, nnx
+
+from openhosti_jax.errors import BatchError, StateError
+from openhosti_jax.planner.rules import unbox
+
+ApplyFn = Callable[..., Any]
+"""``apply(params, batch, model_state) -> outputs``."""
+
+_ELEMENTWISE = frozenset(
+    "add sub mul div neg exp log log1p expm1 tanh logistic sqrt rsqrt integer_pow pow max min abs sign select_n "
+    "convert_element_type broadcast_in_dim reshape squeeze expand_dims erf erf_inv cos sin square".split()
+)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Workload:
+    """Abstract description of a model and batch for the cost model."""
+
+    params: Any
+    """Abstract parameter tree (structure as the TrainState will hold it)."""
+    model_state: Any
+    """Non-parameter model variables (nnx), or None."""
+    apply_fn: ApplyFn | None
+    """``apply(params, batch, model_state)``; None when only parameters are known."""
+    batch: Any
+    """Abstract sample batch (global)."""
+    global_batch: int
+    """Leading dim of the batch."""
+    flops_per_example: float
+    """Training FLOPs (forward + backward = 3 x forward matmul FLOPs) per example."""
+    activation_bytes_per_example: float
+    """Materialised saved activations per example."""
+    tokens_per_example: int
+    """Positions per example (product of the output's middle dims), for tensor-parallel all-reduce sizes."""
+    activation_itemsize: int = 4
+    """Bytes per activation element."""
+
+
+def _abstract(x: Any) -> Any:
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a)), x)
+
+
+def _batch_size(batch: Any) -> int:
+    sizes = {np.shape(x)[0] for x in jax.tree.leaves(batch) if np.ndim(x)}
+    if len(sizes) != 1:
+        raise BatchError(f"expected every batch leaf to share one leading (batch) dim, found sizes {sorted(sizes)}")
+    return sizes.pop()
+
+
+def _resize(batch: Any, n: int) -> Any:
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((n, *x.shape[1:]), x.dtype) if x.ndim else x, batch)
+
+
+def resolve_model(model: Any, sample_batch: Any, seed: int = 0) -> tuple[Any, Any, ApplyFn | None]:
+    """(abstract params, model_state, apply_fn) for an nnx module, a linen module or an ``init_fn(rng)``."""
+    if isinstance(model, linen.Module):
+        params = jax.eval_shape(lambda r: model.init(r, sample_batch)["params"], jax.random.key(seed))
+        return params, None, lambda p, b, _: model.apply({"params": p}, b)
+    if isinstance(model, nnx.Module):
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        return _abstract_state(params), _abstract_state(rest), _nnx_apply(graphdef)
+    if not callable(model):
+        raise StateError(f"expected an nnx.Module, a linen Module or an init_fn(rng), found {type(model).__name__}")
+    try:
+        with nnx.use_eager_sharding(False):
+            out = jax.eval_shape(model, jax.random.key(seed))
+    except Exception as e:  # noqa: BLE001 - the user's init failed on abstract inputs: say so
+        raise StateError(f"init_fn(rng) failed under jax.eval_shape: {e}") from e
+    if isinstance(out, nnx.Module):
+        graphdef, params, rest = nnx.split(out, nnx.Param, ...)
+        return params, rest, _nnx_apply(graphdef)
+    return out, None, None
+
+
+def _abstract_state(state: Any) -> Any:
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
+
+
+def _nnx_apply(graphdef: Any) -> ApplyFn:
+    def apply(params: Any, batch: Any, model_state: Any) -> Any:
+        module = nnx.merge(graphdef, params, model_state) if model_state is not None else nnx.merge(graphdef, params)
+        return module(batch)
+
+    return apply
+
+
+def _dot_flops(jaxpr: Any) -> float:
+    total = 0.0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            (lc, _), _ = eqn.params["dimension_numbers"]
+            k = math.prod(eqn.invars[0].aval.shape[d] for d in lc)
+            total += 2.0 * k * math.prod(eqn.outvars[0].aval.shape)
+        mult = float(eqn.params.get("length", 1)) if eqn.primitive.name == "scan" else 1.0
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, tuple | list) else (v,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    total += mult * _dot_flops(inner)
+    return total
+
+
+def _materialised_residual_bytes(closed: Any) -> float:
+    jaxpr = closed.jaxpr
+    producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+    outs = {v for v in jaxpr.outvars if not isinstance(v, jax.extend.core.Literal)}
+    available = outs | set(jaxpr.invars)
+    total, seen = 0.0, set()
+    for v in outs:
+        if v in seen or v in jaxpr.invars:
+            continue
+        seen.add(v)
+        eqn = producer.get(v)
+        fusible = (
+            eqn is not None
+            and eqn.primitive.name in _ELEMENTWISE
+            and all(
+                isinstance(i, jax.extend.core.Literal)
+                or i in available
+                or (i in producer and producer[i].primitive.name in ("broadcast_in_dim", "iota"))
+                for i in eqn.invars
+            )
+        )
+        if not fusible:
+            total += math.prod(v.aval.shape) * v.aval.dtype.itemsize
+    return total
+
+
+def measure(params: Any, model_state: Any, apply_fn: ApplyFn | None, batch: Any) -> Workload:
+    """The `Workload` of abstract ``params`` run by ``apply_fn`` on an abstract global ``batch``."""
+    batch = _abstract(batch)
+    n = _batch_size(batch)
+    if apply_fn is None:
+        return Workload(params, model_state, None, batch, n, 0.0, 0.0, 1)
+    plain = unbox(params)
+
+    def traced(b: Any) -> Any:
+        def fwd(p: Any, x: Any) -> Any:
+            return jax.tree.leaves(jax.vjp(lambda q: apply_fn(q, x, model_state), p))
+
+        return jax.make_jaxpr(fwd)(plain, b)
+
+    one, two = traced(_resize(batch, 1)), traced(_resize(batch, 2))
+    act = max(_materialised_residual_bytes(two) - _materialised_residual_bytes(one), 0.0)
+    first = one.out_avals[0]
+    tokens = math.prod(first.shape[1:-1]) if first.ndim >= 3 else 1
+    flops = 3.0 * _dot_flops(one.jaxpr)
+    return Workload(params, model_state, apply_fn, batch, n, flops, act, tokens, first.dtype.itemsize)
+
+
+def workload(model: Any, sample_batch: Any, *, apply_fn: ApplyFn | None = None, seed: int = 0) -> Workload:
+    """The `Workload` of ``model`` on ``sample_batch`` (arrays or `jax.ShapeDtypeStruct`, global batch)."""
+    batch = _abstract(sample_batch)
+    params, rest, found_apply = resolve_model(model, batch, seed)
+    return measure(params, rest, apply_fn or found_apply, batch)
