@@ -14,6 +14,8 @@ from openhosti_jax.bridges.tensors import (
     to_torch,
     torch_to_numpy,
 )
+from openhosti_jax.bridges.tf_compute import wrap_for_tf
+from openhosti_jax.bridges.tf_data import TFDatasetLoader
 from openhosti_jax.bridges.torch_compute import wrap_for_torch
 from openhosti_jax.bridges.torch_data import TorchLoader
 from openhosti_jax.bridges.weights import LayerMap, flax_to_torch, layer_maps, torch_to_flax
@@ -21,6 +23,7 @@ from openhosti_jax.bridges.weights import LayerMap, flax_to_torch, layer_maps, t
 __all__ = [
     "DeviceShard",
     "LayerMap",
+    "TFDatasetLoader",
     "TorchLoader",
     "default_batch_spec",
     "flax_to_torch",
@@ -34,5 +37,6 @@ __all__ = [
     "torch_to_flax",
     "to_torch",
     "torch_to_numpy",
+    "wrap_for_tf",
     "wrap_for_torch",
 ]

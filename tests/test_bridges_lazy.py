@@ -1,0 +1,17 @@
+"""Neither torch nor tensorflow is imported by ``import openhosti_jax`` or ``openhosti_jax.bridges``."""
+
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.timeout(120)
+def test_frameworks_are_imported_lazily():
+    code = (
+        "import sys, openhosti_jax, openhosti_jax.bridges as b; "
+        "assert callable(b.to_torch) and callable(b.wrap_for_tf); "
+        "print(sorted(m for m in ('torch', 'tensorflow') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100, check=True)
+    assert out.stdout.strip() == "[]"
