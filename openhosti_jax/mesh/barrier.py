@@ -1,9 +1,9 @@
 """Barriers and agreement checks with a timeout that name the process that did not arrive, instead of hanging.
 
 Both work through the key-value store of the `jax.distributed` coordinator: each process writes its key, then
-waits until every process's key is there. On timeout the error lists the missing process ids and whether the
-coordinator still sees them alive (a slow or stuck process) or not (a dead one). With a single process both are
-no-ops. Every process must make the same sequence of calls with the same names.
+waits until every process's key is there. On timeout the error lists the missing process ids. (The coordinator's
+``get_live_nodes`` is not used: it is itself a blocking rendezvous of the listed processes.) With a single process
+both are no-ops. Every process must make the same sequence of calls with the same names.
 
 Example:
     >>> from openhosti_jax.mesh.barrier import barrier, agree
@@ -34,14 +34,6 @@ def _client() -> Any | None:
     return distributed.global_state.client
 
 
-def _liveness(client: Any, ids: list[int]) -> dict[int, bool]:
-    try:
-        live = client.get_live_nodes(list(range(jax.process_count())))
-    except Exception:  # noqa: BLE001 - liveness is extra detail for the message; a failure must not mask it
-        return {}
-    return {i: i in live for i in ids}
-
-
 def _gather(kind: str, name: str, value: str, timeout_s: float) -> list[str] | None:
     """Every process's ``value`` (by process id), or None on a single process; raises naming the missing ones."""
     if not isinstance(name, str) or not name or "/" in name:
@@ -61,11 +53,7 @@ def _gather(kind: str, name: str, value: str, timeout_s: float) -> list[str] | N
             return [found[i] for i in range(n)]
         if time.monotonic() > deadline:
             missing = [i for i in range(n) if i not in found]
-            live = _liveness(client, missing)
-            state = ", ".join(
-                f"process {i} ({'alive but not arrived' if live.get(i) else 'not alive' if i in live else '?'})"
-                for i in missing
-            )
+            state = ", ".join(f"process {i}" for i in missing)
             raise DistributedError(
                 f"{kind} {name!r}: process {me} waited {timeout_s:g}s but {len(missing)} of {n} processes never "
                 f"arrived: {state}. Expected every process to reach the same {kind}; check the missing processes' "
