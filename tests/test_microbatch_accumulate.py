@@ -75,9 +75,7 @@ def test_sharded_accumulation_matches_full_batch(mesh, k):
     rows = NamedSharding(mesh, P("data"))
     rep = NamedSharding(mesh, P())
     placed = jax.device_put(batch, rows)
-    fn = jax.jit(
-        lambda p, b: accumulate_gradients(loss_fn, p, b, k, microbatch_sharding=rows, accum_sharding=rep)
-    )
+    fn = jax.jit(lambda p, b: accumulate_gradients(loss_fn, p, b, k, microbatch_sharding=rows, accum_sharding=rep))
     loss, grads, metrics = fn(jax.device_put(params, rep), placed)
     ref_loss, ref_grads = reference(params, batch)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5, atol=1e-5)

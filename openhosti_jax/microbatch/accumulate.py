@@ -168,9 +168,7 @@ def accumulate_gradients(
             f"expected microbatch_sharding to be a NamedSharding, found "
             f"{type(microbatch_sharding).__name__}; build one with NamedSharding(mesh, PartitionSpec('data'))"
         )
-    stacked = split_microbatches(
-        batch, num_microbatches, microbatch_sharding=microbatch_sharding, mask_key=mask_key
-    )
+    stacked = split_microbatches(batch, num_microbatches, microbatch_sharding=microbatch_sharding, mask_key=mask_key)
 
     def summed(p: Any, mb: Any, key: jax.Array | None) -> tuple[jax.Array, tuple[jax.Array, Any]]:
         out = loss_fn(p, mb, key)

@@ -41,10 +41,7 @@ def compiled_peak_bytes(compiled: jax.stages.Compiled) -> int | None:
     if stats is None:
         return None
     footprint = (
-        stats.argument_size_in_bytes
-        + stats.temp_size_in_bytes
-        + stats.output_size_in_bytes
-        - stats.alias_size_in_bytes
+        stats.argument_size_in_bytes + stats.temp_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
     )
     peak = max(int(getattr(stats, "peak_memory_in_bytes", 0) or 0), int(footprint))
     return peak if peak > 0 else None

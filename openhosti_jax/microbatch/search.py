@@ -108,9 +108,7 @@ def find_microbatch(
     candidates = tuple(sorted(set(sizes))) if sizes is not None else divisors(per_device_batch)
     bad = [s for s in candidates if not (isinstance(s, int) and 1 <= s <= per_device_batch)]
     if bad or not candidates:
-        raise PlanningError(
-            f"expected candidate sizes in 1..{per_device_batch}, found {list(candidates)}; drop {bad}"
-        )
+        raise PlanningError(f"expected candidate sizes in 1..{per_device_batch}, found {list(candidates)}; drop {bad}")
     budget = int(budget_from_devices() if budget_bytes is None else budget_bytes)
     limit = int(budget * (1.0 - margin))
     start = time.perf_counter()
