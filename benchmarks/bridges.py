@@ -1,0 +1,141 @@
+"""Bridges benchmark: DLPack conversion time 1 MB vs 1 GB (zero-copy: flat), torch DataLoader vs native loader.
+
+Prints one JSON object on its last line (keys in /work/shared/BENCHMARKS.md):
+- ``zero_copy_1gb_over_1mb``: the larger of the to_torch and to_jax ratios, median time 1 GB / 1 MB (goal < 2);
+- ``torch_loader_over_native``: batches/s from a TorchLoader over a DataLoader that fetches whole batches
+  (``BatchSampler`` as sampler, ``batch_size=None``, a dataset indexing with ``index_select``) / from
+  ``openhosti_jax.data.ArrayDataset``, both shuffled and placed as sharded global batches on 8 devices
+  (goal >= 0.9). Also reported: the same with ``TensorDataset`` (list indexing, slow in torch) and with a
+  plain per-sample DataLoader (``__getitem__`` per sample + ``default_collate``).
+Runs alternate A and B in one process and report medians.
+"""
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import json  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, TensorDataset  # noqa: E402
+
+from openhosti_jax.bridges import TorchLoader, to_global_batch, to_jax, to_torch  # noqa: E402
+from openhosti_jax.data import ArrayDataset  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+class BatchedTensors(Dataset):
+    """Map-style dataset whose ``__getitem__`` takes a whole batch of indices (the fast DataLoader pattern)."""
+
+    def __init__(self, *tensors: torch.Tensor) -> None:
+        self.tensors = tensors
+
+    def __len__(self) -> int:
+        return len(self.tensors[0])
+
+    def __getitem__(self, rows: list[int]) -> tuple[torch.Tensor, ...]:
+        index = torch.as_tensor(rows)
+        return tuple(t.index_select(0, index) for t in self.tensors)
+
+
+def _time(fn, reps: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t0) / reps
+
+
+def conversion_ratios(rounds: int = 15, reps: int = 200) -> dict[str, float]:
+    small = jax.device_put(np.ones(2**18, np.float32))  # 1 MiB
+    large = jax.device_put(np.ones(2**28, np.float32))  # 1 GiB
+    small_t, large_t = to_torch(small), to_torch(large)
+    assert small_t.data_ptr() == small.unsafe_buffer_pointer() and large_t.data_ptr() == large.unsafe_buffer_pointer()
+    assert to_jax(large_t).unsafe_buffer_pointer() == large_t.data_ptr()
+    times = {k: [] for k in ("to_torch_1mb", "to_torch_1gb", "to_jax_1mb", "to_jax_1gb")}
+    for _ in range(rounds):
+        times["to_torch_1mb"].append(_time(lambda: to_torch(small), reps))
+        times["to_torch_1gb"].append(_time(lambda: to_torch(large), reps))
+        times["to_jax_1mb"].append(_time(lambda: to_jax(small_t), reps))
+        times["to_jax_1gb"].append(_time(lambda: to_jax(large_t), reps))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    copy_1gb = _time(lambda: np.array(large_t.numpy(), copy=True), 2)
+    return {
+        "to_torch_1gb_over_1mb": med["to_torch_1gb"] / med["to_torch_1mb"],
+        "to_jax_1gb_over_1mb": med["to_jax_1gb"] / med["to_jax_1mb"],
+        "to_torch_1mb_us": med["to_torch_1mb"] * 1e6,
+        "to_jax_1mb_us": med["to_jax_1mb"] * 1e6,
+        "host_copy_1gb_over_zero_copy_1gb": copy_1gb / med["to_torch_1gb"],
+    }
+
+
+def loader_ratios(rounds: int = 5, batches: int = 40) -> dict[str, float]:
+    n, width, batch = 32768, 256, 256
+    x = np.random.default_rng(0).normal(size=(n, width)).astype(np.float32)
+    y = np.arange(n, dtype=np.int32)
+    mesh = jax.make_mesh((8,), ("data",))
+    spec = jax.P("data")
+    dataset = TensorDataset(torch.from_numpy(x), torch.from_numpy(y))
+
+    def consume(it) -> float:
+        t0 = time.perf_counter()
+        for _ in range(batches):
+            b = next(it)
+            jax.block_until_ready(b)
+        return batches / (time.perf_counter() - t0)
+
+    def native():
+        return (to_global_batch(b, mesh, spec) for b in ArrayDataset({"x": x, "y": y}, batch, seed=1))
+
+    def torch_loader(data: Dataset):
+        sampler = BatchSampler(RandomSampler(data, generator=torch.Generator()), batch, drop_last=True)
+        loader = DataLoader(data, sampler=sampler, batch_size=None)
+        return TorchLoader(loader, names=("x", "y"), seed=1, mesh=mesh, spec=spec)
+
+    fast = BatchedTensors(torch.from_numpy(x), torch.from_numpy(y))
+    torch_batched = lambda: torch_loader(fast)
+    torch_tensor_dataset = lambda: torch_loader(dataset)
+
+    def torch_per_sample():
+        loader = DataLoader(dataset, batch_size=batch, shuffle=True, generator=torch.Generator(), drop_last=True)
+        return TorchLoader(loader, names=("x", "y"), seed=1, mesh=mesh, spec=spec)
+
+    makers = {
+        "native": native,
+        "torch": torch_batched,
+        "torch_tensor_dataset": torch_tensor_dataset,
+        "torch_per_sample": torch_per_sample,
+    }
+    for make in makers.values():  # warm up compiles / caches
+        consume(make())
+    rates = {k: [] for k in makers}
+    for _ in range(rounds):
+        for k, make in makers.items():
+            rates[k].append(consume(make()))
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    return {
+        "torch_loader_over_native": med["torch"] / med["native"],
+        "torch_tensor_dataset_loader_over_native": med["torch_tensor_dataset"] / med["native"],
+        "torch_per_sample_loader_over_native": med["torch_per_sample"] / med["native"],
+        "native_batches_per_s": med["native"],
+        "batch_mb": batch * width * 4 / 2**20,
+    }
+
+
+def main() -> None:
+    conv = conversion_ratios()
+    result = {
+        "zero_copy_1gb_over_1mb": max(conv["to_torch_1gb_over_1mb"], conv["to_jax_1gb_over_1mb"]),
+        **conv,
+        **loader_ratios(),
+    }
+    print(json.dumps({k: round(v, 4) for k, v in result.items()}))
+
+
+if __name__ == "__main__":
+    main()
