@@ -1,7 +1,8 @@
 """The analytic cost model: per-device memory and per-step time of a `ShardingPlan` for a `Workload`.
 
 Memory (bytes per device): parameters + optimizer state as sharded, the local batch, and the step's temporaries:
-``max(saved activations, unreduced local gradients)`` (XLA reuses freed activation buffers for gradients) plus,
+``max(saved activations, live gradients)`` (XLA reuses freed activation buffers for gradients; under ZeRO-2/3
+only the sharded gradients plus one unreduced leaf are live) plus,
 under ZeRO-3, the gathered copy of the parameters. Time (seconds, no overlap assumed): matmul FLOPs / peak,
 activation and optimizer-update bytes / memory bandwidth, and every collective priced per leaf by the profile's
 alpha-beta model (all-reduce 2(n-1)/n, all-gather and reduce-scatter (n-1)/n of the bytes over the bandwidth).
@@ -107,7 +108,12 @@ def estimate(
     act = work.activation_bytes_per_example * b_local
     batch = sum(_nbytes(x.shape, x.dtype) for x in jax.tree.leaves(work.batch)) / dp
     state = (param_local + opt_local) / stages
-    temp = (max(act, grads_full) + gathered) / stages
+    if plan.zero_stage >= 2:  # reduce-scattered leaf by leaf: one full local gradient alive at a time
+        largest = max((_local(x.shape, x.dtype, bs, sizes) for x, bs in zip(params, base, strict=True)), default=0)
+        grads_live = sum(_local(x.shape, x.dtype, s, sizes) for x, s in zip(params, g_specs, strict=True)) + largest
+    else:
+        grads_live = grads_full
+    temp = (max(act, grads_live) + gathered) / stages
     memory = {"state": state, "batch": batch, "temporaries": temp, "total": state + batch + temp}
 
     comm_s, comm_b = 0.0, 0.0
