@@ -228,6 +228,10 @@ class CheckpointManager:
         there is no step at all or the tree does not match.
         """
         target = abstract_flat(abstract_state)
+        if step is not None and not (self.directory / str(int(step))).exists():
+            raise CheckpointError(
+                f"no checkpoint step {step} in {self.directory}; committed and checksummed: {self.good_steps()}"
+            )
         roots = [(self.directory, self._mgr)]
         if self.replicate_to is not None and step is None:
             roots.append((self.replicate_to, None))
@@ -239,13 +243,16 @@ class CheckpointManager:
                 tried = True
                 problems = verify_checksums(root / str(s))
                 if not problems:
-                    mgr = mgr or _orbax_manager(root, None, async_save=False, read_only=True)
+                    reader = mgr or _orbax_manager(root, None, async_save=False, read_only=True)
                     try:
-                        return self._restore_step(mgr, s, abstract_state, target)
+                        return self._restore_step(reader, s, abstract_state, target)
                     except CheckpointError:
                         raise
                     except Exception as e:  # noqa: BLE001 - any read failure of verified files: say which
                         problems = [f"Orbax failed to read it: {type(e).__name__}: {str(e)[:500]}"]
+                    finally:
+                        if reader is not mgr:
+                            reader.close()
                 failures.append(f"step {s} in {root}: " + "; ".join(problems))
                 if step is None:
                     warnings.warn(f"checkpoint {failures[-1]}; falling back to the previous good step", stacklevel=2)
