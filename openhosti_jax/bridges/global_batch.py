@@ -8,7 +8,7 @@ Example:
     >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
     >>> g = to_global_batch({"x": np.zeros((16, 3), np.float32)}, mesh, jax.P("data"))
     >>> g["x"].shape, g["x"].sharding.spec
-    ((16, 3), PartitionSpec('data', None))
+    ((16, 3), P('data',))
 """
 
 from __future__ import annotations
