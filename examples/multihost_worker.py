@@ -23,8 +23,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sequences", type=int, default=256, help="corpus size in sequences (default 256)")
     parser.add_argument("--plan", default="fsdp", help="fsdp | dp | zero1 | zero2 (default fsdp)")
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep after each step")
-    parser.add_argument("--checkpoint-dir", default=None, help="save/resume here (default: no checkpoints)")
-    parser.add_argument("--checkpoint-every", type=int, default=None, help="also save every N steps")
     args = parser.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -47,8 +45,6 @@ def main(argv: list[str] | None = None) -> int:
         mesh=MeshConfig(data=1, fsdp=-1),
         progress=False,
         print_plan=False,
-        checkpoint_dir=args.checkpoint_dir,
-        checkpoint_every_steps=args.checkpoint_every,
     )
     state, _, step, data = build_job(job)
 
@@ -59,12 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         return out
 
     paced_step.plan = step.plan
-    checkpoint = None
-    if job.checkpoint_dir is not None:
-        from openhosti_jax.checkpoint import TrainerCheckpoint
-
-        checkpoint = TrainerCheckpoint(job.checkpoint_dir, every_steps=job.checkpoint_every_steps)
-    result = Trainer(paced_step, progress=False, checkpoint=checkpoint).fit(state, data, num_steps=job.steps)
+    result = Trainer(paced_step, progress=False).fit(state, data, num_steps=job.steps)
     losses = [h["loss"] for h in result.history]
     times = [h["step_time_s"] for h in result.history]
     print("RESULT " + json.dumps({"process": jax.process_index(), "losses": losses, "step_times": times}), flush=True)
