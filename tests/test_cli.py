@@ -1,0 +1,119 @@
+"""The `openhosti` command on tiny configurations: exit codes, run-dir files, figures, benchmark JSON."""
+
+import json
+import statistics
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from openhosti_jax.cli import main
+from openhosti_jax.models.gpt import GPTConfig
+from openhosti_jax.train import read_metrics
+
+mpimg = pytest.importorskip("matplotlib.image")
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("run")
+    rc = main(
+        [
+            "train",
+            "--steps",
+            "4",
+            "--batch",
+            "16",
+            "--seq-len",
+            "16",
+            "--d-model",
+            "32",
+            "--plan",
+            "fsdp",
+            "--run-dir",
+            str(d),
+            "--no-progress",
+        ]
+    )
+    assert rc == 0
+    return d
+
+
+@pytest.mark.parametrize("cmd", ["train", "plan", "report", "bench", "launch", "run"])
+def test_help_documents_exit_codes(cmd, capsys):
+    assert main([cmd, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "exit codes" in out and "2    usage error" in out
+
+
+@pytest.mark.timeout(60)
+def test_console_script_help_and_usage_errors():
+    ok = subprocess.run(
+        [sys.executable, "-m", "openhosti_jax.cli", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert ok.returncode == 0 and "report" in ok.stdout
+    assert main(["train", "--no-such-flag"]) == 2
+    assert main(["bench", "no-such-benchmark"]) == 2
+    assert main(["launch", "-n", "2"]) == 2  # no command after --
+    assert main(["report", "/nonexistent/run"]) == 2
+
+
+@pytest.mark.timeout(300)
+def test_train_writes_run_dir(run_dir):
+    metrics = read_metrics(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert metrics[-1]["loss"] < metrics[0]["loss"]
+    assert "ShardingPlan" in (run_dir / "plan.txt").read_text()
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert plan["mesh"]["fsdp"] == 8 and plan["zero_stage"] == 3
+    mem = plan["memory"]
+    assert len(mem["per_device"]) == 8
+    # predicted from specs == bytes actually resident in each device's shards (independent measurement)
+    for row in mem["per_device"]:
+        assert row["params"] == mem["predicted"]["params"]
+        assert row["opt_state"] == mem["predicted"]["optimizer"]
+    total_bytes = 4 * GPTConfig.tiny(seq_len=16, d_model=32).num_params()
+    assert sum(r["params"] for r in mem["per_device"]) >= total_bytes  # float32: every parameter lives somewhere
+    assert mem["compiled"]["argument"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_report_pngs_and_numbers_match_metrics(run_dir, capsys):
+    rc = main(["report", str(run_dir), "--schedule", "gpipe", "--stages", "4", "--microbatches", "8"])
+    assert rc == 0
+    out_dir = run_dir / "report"
+    for name in ("loss", "throughput", "memory", "pipeline"):
+        assert mpimg.imread(out_dir / f"{name}.png").shape[:2] == (450, 800)
+    assert "skipped balance" in capsys.readouterr().out
+    summary = json.loads((out_dir / "report.json").read_text())["summary"]
+    metrics = read_metrics(run_dir / "metrics.jsonl")
+    assert summary["first_loss"] == metrics[0]["loss"] and summary["final_loss"] == metrics[-1]["loss"]
+    assert summary["median_step_time_s"] == statistics.median(m["step_time_s"] for m in metrics[1:])
+    assert summary["mesh"]["fsdp"] == 8
+
+
+@pytest.mark.timeout(120)
+def test_plan_example_prints_report(capsys):
+    assert main(["plan", "--example", "gpt"]) == 0
+    assert "ShardingPlan" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(60)
+def test_run_passes_exit_code_through():
+    assert main(["run", "--max-restarts", "0", "--", sys.executable, "-c", "pass"]) == 0
+    assert main(["run", "--max-restarts", "0", "--", sys.executable, "-c", "raise SystemExit(3)"]) == 1
+
+
+@pytest.mark.timeout(400)
+def test_bench_gpu_mfu_dry_run(capfd):
+    assert main(["bench", "gpu_mfu", "--dry-run", "--repeats", "1"]) == 0
+    res = json.loads(capfd.readouterr().out.strip().splitlines()[-1])
+    for key in ("mfu", "plain_jit_mfu", "tokens_per_s", "peak_memory_bytes"):
+        assert res[key] is not None and res[key] > 0
+    cfg = GPTConfig.tiny(dtype="bfloat16")
+    assert res["params"] == cfg.num_params() and res["flops_per_token"] == cfg.flops_per_token()
+    assert res["devices"] == jax.device_count()
+    tps = res["global_batch"] * res["seq_len"] / statistics.median(res["step_times_s"])
+    assert res["tokens_per_s"] == pytest.approx(tps)
+    assert res["mfu"] == pytest.approx(tps * res["flops_per_token"] / (res["devices"] * res["peak_flops_per_device"]))
