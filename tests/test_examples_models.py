@@ -2,6 +2,7 @@
 
 import importlib.util
 import pathlib
+import sys
 
 import jax
 import numpy as np
@@ -19,6 +20,7 @@ TINY = {
 def load(name: str):
     spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # linen dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
