@@ -33,7 +33,7 @@ def gpt_step(state: Any, tokens: jax.Array) -> tuple[Any, Any]:
     """One next-token training step for the GPT example."""
 
     def loss(p: Any) -> jax.Array:
-        total, count = next_token_loss(state.apply_fn(p, tokens, state.model_state), tokens)
+        total, count = next_token_loss(state.apply_fn(p, tokens, model_state=state.model_state), tokens)
         return total / count
 
     value, grads = jax.value_and_grad(loss)(state.params)

@@ -55,7 +55,7 @@ def default_step(state: TrainState, batch: Any) -> tuple[TrainState, Any]:
     """A step with the mean floating output as its loss (used when no ``step_fn`` is given)."""
 
     def loss(p: Any) -> jax.Array:
-        out = state.apply_fn(p, batch, state.model_state)
+        out = state.apply_fn(p, batch, model_state=state.model_state)
         leaves = [
             jnp.mean(x.astype(jnp.float32)) for x in jax.tree.leaves(out) if jnp.issubdtype(x.dtype, jnp.floating)
         ]

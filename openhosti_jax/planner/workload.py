@@ -31,7 +31,7 @@ from openhosti_jax.errors import BatchError, StateError
 from openhosti_jax.planner.rules import unbox
 
 ApplyFn = Callable[..., Any]
-"""``apply(params, batch, model_state) -> outputs``."""
+"""``apply(params, batch, model_state=None) -> outputs`` (the convention of `state.nnx_apply_fn`)."""
 
 _ELEMENTWISE = frozenset(
     "add sub mul div neg exp log log1p expm1 tanh logistic sqrt rsqrt integer_pow pow max min abs sign select_n "
@@ -82,15 +82,20 @@ def resolve_model(model: Any, sample_batch: Any, seed: int = 0) -> tuple[Any, An
     """(abstract params, model_state, apply_fn) for an nnx module, a linen module or an ``init_fn(rng)``."""
     if isinstance(model, linen.Module):
         params = jax.eval_shape(lambda r: model.init(r, sample_batch)["params"], jax.random.key(seed))
-        return params, None, lambda p, b, _: model.apply({"params": p}, b)
+        return params, None, lambda p, b, model_state=None: model.apply({"params": p}, b)
     if isinstance(model, nnx.Module):
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         return _abstract_state(params), _abstract_state(rest), _nnx_apply(graphdef)
     if not callable(model):
         raise StateError(f"expected an nnx.Module, a linen Module or an init_fn(rng), found {type(model).__name__}")
     try:
-        with nnx.use_eager_sharding(False):
-            out = jax.eval_shape(model, jax.random.key(seed))
+        out = jax.eval_shape(model, jax.random.key(seed))
+    except ValueError:  # sharding-annotated nnx variables want a mesh: read the annotations without one
+        try:
+            with nnx.use_eager_sharding(False):
+                out = jax.eval_shape(model, jax.random.key(seed))
+        except Exception as e:  # noqa: BLE001 - the user's init failed on abstract inputs: say so
+            raise StateError(f"init_fn(rng) failed under jax.eval_shape: {e}") from e
     except Exception as e:  # noqa: BLE001 - the user's init failed on abstract inputs: say so
         raise StateError(f"init_fn(rng) failed under jax.eval_shape: {e}") from e
     if isinstance(out, nnx.Module):
@@ -104,7 +109,7 @@ def _abstract_state(state: Any) -> Any:
 
 
 def _nnx_apply(graphdef: Any) -> ApplyFn:
-    def apply(params: Any, batch: Any, model_state: Any) -> Any:
+    def apply(params: Any, batch: Any, model_state: Any = None) -> Any:
         module = nnx.merge(graphdef, params, model_state) if model_state is not None else nnx.merge(graphdef, params)
         return module(batch)
 
@@ -163,7 +168,7 @@ def measure(params: Any, model_state: Any, apply_fn: ApplyFn | None, batch: Any)
 
     def traced(b: Any) -> Any:
         def fwd(p: Any, x: Any) -> Any:
-            return jax.tree.leaves(jax.vjp(lambda q: apply_fn(q, x, model_state), p))
+            return jax.tree.leaves(jax.vjp(lambda q: apply_fn(q, x, model_state=model_state), p))
 
         return jax.make_jaxpr(fwd)(plain, b)
 
