@@ -105,6 +105,7 @@ def test_run_passes_exit_code_through():
     assert main(["run", "--max-restarts", "0", "--", sys.executable, "-c", "raise SystemExit(3)"]) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_bench_gpu_mfu_dry_run(capfd):
     assert main(["bench", "gpu_mfu", "--dry-run", "--repeats", "1"]) == 0
