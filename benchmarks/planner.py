@@ -62,8 +62,11 @@ def main() -> None:
                 times.append(time.perf_counter() - t)
             run[1] = state
     med = {label: float(np.median(r[2])) for label, r in runs.items()}
-    winner = next(s.candidate.label for s in scored if s.plan.mesh_shape == chosen.mesh_shape
-                  and s.candidate.zero_stage == chosen.zero_stage)
+    winner = next(
+        s.candidate.label
+        for s in scored
+        if s.plan.mesh_shape == chosen.mesh_shape and s.candidate.zero_stage == chosen.zero_stage
+    )
     best = min(med, key=med.get)
     out = {
         "model": f"{NAME}: {cfg.num_params()} params, batch {n}x{cfg.seq_len}",
