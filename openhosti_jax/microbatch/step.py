@@ -23,6 +23,7 @@ import optax
 from jax.sharding import NamedSharding
 
 from openhosti_jax.microbatch.accumulate import LossFn, accumulate_gradients
+from openhosti_jax.state.context import current_microbatches
 
 TrainStep = Callable[[Any, Any], tuple[Any, dict[str, Any]]]
 """``(state, batch) -> (new_state, metrics)``."""
@@ -30,7 +31,7 @@ TrainStep = Callable[[Any, Any], tuple[Any, dict[str, Any]]]
 
 def make_train_step(
     loss_fn: LossFn,
-    num_microbatches: int = 1,
+    num_microbatches: int | None = None,
     *,
     has_aux: bool = False,
     accum_sharding: Any = None,
@@ -38,6 +39,8 @@ def make_train_step(
     mask_key: str = "mask",
 ) -> TrainStep:
     """``train_step(state, batch) -> (state, metrics)`` over ``num_microbatches`` accumulated microbatches.
+
+    ``num_microbatches=None`` takes the count chosen by the enclosing ``@spmd(microbatch=...)`` step (1 outside).
 
     ``state`` is an `openhosti_jax.state.TrainState` (or any flax TrainState; one without an ``rng`` field
     passes ``rng=None`` to ``loss_fn``). The step is not jitted: wrap it in ``jax.jit`` (donating the state)
@@ -53,7 +56,7 @@ def make_train_step(
             loss_fn,
             state.params,
             batch,
-            num_microbatches,
+            current_microbatches() if num_microbatches is None else num_microbatches,
             rng,
             has_aux=has_aux,
             accum_sharding=accum_sharding,

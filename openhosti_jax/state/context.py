@@ -37,3 +37,20 @@ def constrain_gradients(grads: Any) -> Any:
     if jax.tree.structure(shardings) != jax.tree.structure(grads):
         return grads
     return jax.lax.with_sharding_constraint(grads, shardings)
+
+
+@contextlib.contextmanager
+def active_microbatches(num_microbatches: int) -> Iterator[None]:
+    """Within the block, `current_microbatches` returns ``num_microbatches`` (set by ``@spmd(microbatch=...)``)."""
+    prev = getattr(_local, "microbatches", None)
+    _local.microbatches = num_microbatches
+    try:
+        yield
+    finally:
+        _local.microbatches = prev
+
+
+def current_microbatches(default: int = 1) -> int:
+    """The accumulation count chosen by the enclosing ``@spmd`` step, else ``default``."""
+    value = getattr(_local, "microbatches", None)
+    return default if value is None else value

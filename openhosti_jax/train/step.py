@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -31,9 +32,10 @@ from jax.sharding import Mesh, NamedSharding
 from openhosti_jax.errors import BatchError, StateError
 from openhosti_jax.mesh.build import build_mesh
 from openhosti_jax.planner.plan import ShardingPlan
-from openhosti_jax.state.context import active_gradient_shardings
+from openhosti_jax.state.context import active_gradient_shardings, active_microbatches
 from openhosti_jax.state.create import Strategy, resolve_plan
 from openhosti_jax.state.train_state import TrainState
+from openhosti_jax.train.balanced import BalancedStep
 
 StepFn = Callable[[TrainState, Any], tuple[TrainState, Any]]
 
@@ -74,15 +76,29 @@ def shard_batch(batch: Any, mesh: Mesh, plan: ShardingPlan) -> Any:
 class SpmdStep:
     """A train step jitted over a mesh by a plan; created by `spmd`. Call it as ``step(state, batch)``."""
 
-    def __init__(self, fn: StepFn, mesh: Mesh | None, plan: Strategy | None, donate: bool, plan_kw: dict):
+    def __init__(
+        self,
+        fn: StepFn,
+        mesh: Mesh | None,
+        plan: Strategy | None,
+        donate: bool,
+        microbatch: int | str | None,
+        memory_budget: int | None,
+        plan_kw: dict,
+    ):
         functools.update_wrapper(self, fn)
         self.fn = fn
         self.mesh = mesh
         self._strategy = plan
         self.plan: ShardingPlan | None = plan if isinstance(plan, ShardingPlan) else None
         self.donate = donate
+        self._microbatch = microbatch
+        self.memory_budget = memory_budget
+        self.microbatch_choice = None
+        """The `MicrobatchChoice` of ``microbatch="auto"`` (after the first call)."""
         self._plan_kw = plan_kw
         self._jitted: dict[Any, Callable] = {}
+        self._retry = None
 
     def _resolve(self, state: TrainState) -> ShardingPlan:
         if not isinstance(state, TrainState):
@@ -98,16 +114,22 @@ class SpmdStep:
         self.plan.check_mesh(self.mesh)
         return self.plan
 
-    def _compiled_fn(self, state: TrainState, batch: Any) -> tuple[Callable, Any]:
+    @property
+    def num_microbatches(self) -> int:
+        """Gradient-accumulation steps the step currently runs."""
+        return self.plan.num_microbatches if self.plan is not None else 1
+
+    def _compiled_fn(self, state: TrainState, batch: Any, k: int | None = None) -> tuple[Callable, Any]:
         plan = self._resolve(state)
-        key = jax.tree.structure(batch)
+        k = k or plan.num_microbatches
+        key = (jax.tree.structure(state), jax.tree.structure(batch), k)
         state_sh = plan.shardings(self.mesh, plan.state_specs(state))
         if key not in self._jitted:
             grad_sh = plan.shardings(self.mesh, plan.grad_specs)
             batch_sh = plan.batch_shardings(self.mesh, batch)
 
             def wrapped(s: TrainState, b: Any) -> tuple[TrainState, Any]:
-                with active_gradient_shardings(grad_sh):
+                with active_gradient_shardings(grad_sh), active_microbatches(k):
                     return self.fn(s, b)
 
             self._jitted[key] = jax.jit(
@@ -124,17 +146,62 @@ class SpmdStep:
         state = jax.tree.map(lambda x, s: x if x.sharding == s else jax.device_put(x, s), state, state_sh)
         return state, shard_batch(batch, self.mesh, self.plan)
 
-    def lower(self, state: TrainState, batch: Any) -> jax.stages.Lowered:
+    def lower(self, state: TrainState, batch: Any, num_microbatches: int | None = None) -> jax.stages.Lowered:
         """The lowered step for these (possibly abstract) arguments: ``.compile().memory_analysis()`` etc."""
-        fn, _ = self._compiled_fn(state, batch)
+        fn, _ = self._compiled_fn(state, batch, num_microbatches)
         with jax.set_mesh(self.mesh):
             return fn.lower(state, batch)
 
+    def _per_device_batch(self, batch: Any) -> int:
+        rows = [np.shape(x)[0] for x in jax.tree.leaves(batch) if np.ndim(x)]
+        if not rows:
+            raise BatchError("the batch has no leaf with a batch dimension; expected arrays of shape (batch, ...)")
+        global_rows = rows[0] * (jax.process_count() if not isinstance(jax.tree.leaves(batch)[0], jax.Array) else 1)
+        return global_rows // self.plan.data_parallel_size
+
+    def _choose_microbatches(self, state: TrainState, batch: Any) -> None:
+        from openhosti_jax.microbatch import OOMRetryStep, find_microbatch
+
+        per_device = self._per_device_batch(batch)
+        if self._microbatch == "auto":
+            choice = find_microbatch(
+                lambda size: self.lower(state, batch, per_device // size).compile(), per_device, self.memory_budget
+            )
+            self.microbatch_choice = choice
+            size, note = choice.size, f"microbatch auto: {choice}"
+        else:
+            k = self._microbatch or self.plan.num_microbatches
+            if per_device % k:
+                raise BatchError(
+                    f"microbatch={k} accumulation steps do not divide the per-device batch {per_device}; "
+                    f"choose a divisor of {per_device}"
+                )
+            size, note = per_device // k, None
+
+        def resized(old: int, new: int) -> None:
+            self.plan = dataclasses.replace(
+                self.plan,
+                num_microbatches=per_device // new,
+                notes=(*self.plan.notes, f"RESOURCE_EXHAUSTED at microbatch {old}: now {new}"),
+            )
+
+        self._retry = OOMRetryStep(self._run_with, per_device, size, on_resize=resized)
+        notes = self.plan.notes + ((note,) if note else ())
+        self.plan = dataclasses.replace(self.plan, num_microbatches=per_device // size, notes=notes)
+
+    def _run_with(self, size: int) -> Callable[[TrainState, Any], tuple[TrainState, Any]]:
+        def run(state: TrainState, batch: Any) -> tuple[TrainState, Any]:
+            fn, _ = self._compiled_fn(state, batch, self._per_device_batch(batch) // size)
+            with jax.set_mesh(self.mesh):
+                return fn(state, batch)
+
+        return run
+
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, Any]:
-        fn, _ = self._compiled_fn(state, batch)
         state, batch = self.place(state, batch)
-        with jax.set_mesh(self.mesh):
-            return fn(state, batch)
+        if self._retry is None:
+            self._choose_microbatches(state, batch)
+        return self._retry(state, batch)
 
 
 def spmd(
@@ -143,13 +210,31 @@ def spmd(
     mesh: Mesh | None = None,
     plan: Strategy | None = None,
     donate: bool = True,
+    microbatch: int | str | None = None,
+    memory_budget: int | None = None,
+    balance: bool = False,
+    microbatches: int | None = None,
     **plan_kw: Any,
-) -> SpmdStep | Callable[[StepFn], SpmdStep]:
+) -> SpmdStep | BalancedStep | Callable[[StepFn], SpmdStep | BalancedStep]:
     """Decorate ``train_step(state, batch) -> (state, metrics)`` to run sharded over ``mesh`` by ``plan``.
 
     ``plan`` is a `ShardingPlan`, a strategy (``"fsdp"`` default, ``"dp"``, ``"zero1"``, ``"zero2"``,
     ``"auto"``) or a ZeRO stage; ``mesh`` defaults to all devices on the ``data`` axis.
+    ``microbatch`` is the number of gradient-accumulation steps, or ``"auto"``: the largest per-device microbatch
+    whose compiled peak fits ``memory_budget`` (default: the device's limit), found by AOT compiles. Steps built with
+    `openhosti_jax.microbatch.make_train_step` accumulate over it; an out-of-memory step halves the microbatch and
+    re-runs the same batch.
+
+    With ``balance=True`` the decorated function is a ``loss_fn(params, microbatch, rng) -> (loss_sum, num_real)``
+    and every global batch is cut into ``microbatches`` pieces (default 4 per data-parallel device) that a
+    `openhosti_jax.balance.Balancer` spreads over the devices by measured speed (`BalancedStep`).
     """
-    if fn is None:
-        return lambda f: SpmdStep(f, mesh, plan, donate, plan_kw)
-    return SpmdStep(fn, mesh, plan, donate, plan_kw)
+
+    def build(f: StepFn) -> SpmdStep | BalancedStep:
+        if not balance:
+            return SpmdStep(f, mesh, plan, donate, microbatch, memory_budget, plan_kw)
+        if not isinstance(plan, ShardingPlan) or mesh is None:
+            raise StateError("balance=True needs mesh= and a ShardingPlan (from create_train_state)")
+        return BalancedStep(f, mesh, plan, microbatches=microbatches or 4 * plan.mesh_shape["data"], **plan_kw)
+
+    return build if fn is None else build(fn)

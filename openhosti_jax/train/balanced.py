@@ -1,0 +1,74 @@
+"""`BalancedStep`: a train step whose microbatches are spread over the data-parallel devices by measured speed.
+
+``@spmd(..., balance=True)`` builds one from a ``loss_fn(params, microbatch, rng) -> (loss_sum, num_real)``: each
+global batch is cut into ``microbatches`` pieces, a `openhosti_jax.balance.Balancer` gives a slow device fewer of them,
+and the gradient stays the exact mean over all real samples.
+
+Example:
+    >>> import jax, jax.numpy as jnp, numpy as np, optax
+    >>> import openhosti_jax as oh
+    >>> mesh = oh.build_mesh(oh.MeshConfig(data=4), devices=jax.devices()[:4])
+    >>> state, plan = oh.create_train_state(lambda r: {"w": jnp.ones(2)}, optax.sgd(0.1), mesh, plan="dp")
+    >>> loss_fn = lambda p, mb, rng: (jnp.sum((mb["x"] @ p["w"]) ** 2), jnp.float32(mb["x"].shape[0]))
+    >>> step = oh.spmd(loss_fn, mesh=mesh, plan=plan, balance=True, microbatches=8)
+    >>> state, m = step(state, {"x": np.ones((16, 2), np.float32)})
+    >>> float(m["loss"]), int(state.step)
+    (4.0, 1)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from openhosti_jax.errors import BatchError
+from openhosti_jax.planner.plan import ShardingPlan
+from openhosti_jax.state.train_state import TrainState
+
+
+class BalancedStep:
+    """``step(state, batch) -> (state, metrics)`` with per-device microbatch counts that follow measured speed."""
+
+    def __init__(
+        self,
+        loss_fn: Callable[..., tuple[jax.Array, jax.Array]],
+        mesh: Mesh,
+        plan: ShardingPlan,
+        *,
+        microbatches: int,
+        axis: str = "data",
+        **balancer_kw: Any,
+    ):
+        from openhosti_jax.balance import Balancer
+
+        if plan.zero_stage == 3 and any(plan.mesh_shape.get(a, 1) > 1 for a in ("fsdp",)):
+            raise BatchError("balance=True needs replicated parameters on the data axis; use plan='dp' or 'zero1'")
+        self.mesh, self.plan, self.microbatches = mesh, plan, microbatches
+        self.balancer = Balancer(loss_fn, mesh, total=microbatches, axis=axis, **balancer_kw)
+        sh = plan.shardings(mesh, plan.param_specs)
+        self._apply = jax.jit(lambda s, g: s.apply_gradients(grads=jax.lax.with_sharding_constraint(g, sh)),
+                              donate_argnums=0)
+
+    def progress_note(self) -> str | None:
+        """The current assignment when it is uneven (shown on the Trainer's progress line)."""
+        return self.balancer.describe()
+
+    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
+        def split(x: Any) -> np.ndarray:
+            x = np.asarray(x)
+            if x.shape[0] % self.microbatches:
+                raise BatchError(
+                    f"batch leading dim {x.shape[0]} is not divisible by microbatches={self.microbatches}; "
+                    "use a batch that is a multiple of it"
+                )
+            return x.reshape(self.microbatches, x.shape[0] // self.microbatches, *x.shape[1:])
+
+        state, rng = jax.jit(lambda s: s.next_rng())(state)
+        with jax.set_mesh(self.mesh):
+            loss, grads, n_real = self.balancer(state.params, jax.tree.map(split, batch), rng)
+            state = self._apply(state, grads)
+        return state, {"loss": loss, "num_real": n_real, "counts": list(self.balancer.counts)}

@@ -1,0 +1,46 @@
+"""@spmd(balance=True): the GPT loss and parameters equal the plain step's while a throttled device gets less work."""
+
+import jax
+import numpy as np
+import pytest
+
+from openhosti_jax import MeshConfig, build_mesh, spmd
+from openhosti_jax.balance import Throttle
+from openhosti_jax.errors import BatchError, StateError
+from openhosti_jax.models.gpt_job import GPTJob, build_job, gpt_loss_fn
+
+JOB = GPTJob(steps=4, global_batch=32, num_sequences=256, plan="dp", progress=False)
+
+
+@pytest.mark.timeout(600)
+def test_balanced_gpt_step_equals_plain_step_and_moves_work_off_a_slow_device():
+    mesh = build_mesh(MeshConfig(data=4), devices=jax.devices()[:4])
+    state, plan, plain, data = build_job(JOB, mesh)
+    loss_fn = gpt_loss_fn(state.apply_fn, state.model_state)
+    balanced = spmd(loss_fn, mesh=mesh, plan=plan, balance=True, microbatches=16, every=1,
+                    throttle=Throttle.for_devices(4, {3: 4}))
+    ref_state, _, _, _ = build_job(JOB, mesh)
+    losses, ref_losses = [], []
+    for _ in range(4):
+        batch = next(data)
+        state, m = balanced(state, batch)
+        ref_state, r = plain(ref_state, batch)
+        losses.append(float(m["loss"]))
+        ref_losses.append(float(r["loss"]))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_state.params), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    counts = balanced.balancer.counts
+    assert sum(counts) == 16 and counts[3] == min(counts) and counts[3] < 4
+    assert balanced.progress_note() is not None
+
+
+def test_balance_needs_a_plan_and_divisible_batches():
+    mesh = build_mesh(MeshConfig(data=4), devices=jax.devices()[:4])
+    state, plan, _, data = build_job(JOB, mesh)
+    loss_fn = gpt_loss_fn(state.apply_fn, state.model_state)
+    with pytest.raises(StateError, match="ShardingPlan"):
+        spmd(loss_fn, mesh=mesh, plan="dp", balance=True)
+    step = spmd(loss_fn, mesh=mesh, plan=plan, balance=True, microbatches=5)
+    with pytest.raises(BatchError, match="not divisible by microbatches=5"):
+        step(state, next(data))
