@@ -66,6 +66,10 @@ class StateError(OpenhostiError, ValueError):
     """A TrainState or model init function is not what the library expected."""
 
 
+class ReportError(OpenhostiError, FileNotFoundError):
+    """A run directory or its metrics file, needed for a report, is missing or unreadable."""
+
+
 __all__ = [
     "OpenhostiError",
     "MeshConfigError",
@@ -80,4 +84,5 @@ __all__ = [
     "DistributedError",
     "BridgeError",
     "StateError",
+    "ReportError",
 ]

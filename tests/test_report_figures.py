@@ -70,7 +70,7 @@ def test_gantt_bubble_equals_gpipe_formula():
 
 
 def test_missing_run_dir_is_a_typed_error(tmp_path):
-    from openhosti_jax.errors import OpenhostiError
+    from openhosti_jax.errors import ReportError
 
-    with pytest.raises(OpenhostiError, match="metrics.jsonl"):
+    with pytest.raises(ReportError, match="metrics.jsonl"):
         load_run(tmp_path)

@@ -31,7 +31,7 @@ def test_four_microbatches_equal_one():
 
 def test_auto_microbatch_fits_the_budget_and_twice_does_not():
     _, full = _losses(None, steps=1)
-    mesh, plan = full.mesh, full.plan
+    mesh = full.mesh
     state, _, _, data = build_job(JOB, mesh)
     state, batch = full.place(state, next(data))
     peaks = {k: peak_bytes(full.lower(state, batch, k).compile()) for k in (1, 2, 4)}

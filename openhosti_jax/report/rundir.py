@@ -27,7 +27,7 @@ import json
 import os
 from typing import Any
 
-from openhosti_jax.errors import OpenhostiError
+from openhosti_jax.errors import ReportError
 
 METRICS = "metrics.jsonl"
 PLAN_TXT = "plan.txt"
@@ -88,15 +88,15 @@ def _read_json(path: str) -> Any:
 
 
 def load_run(run_dir: str | os.PathLike) -> RunData:
-    """Read a run directory; `OpenhostiError` if it does not exist or has no ``metrics.jsonl``."""
+    """Read a run directory; `ReportError` if it does not exist or has no ``metrics.jsonl``."""
     run_dir = os.fspath(run_dir)
     if not os.path.isdir(run_dir):
-        raise OpenhostiError(
+        raise ReportError(
             f"expected a run directory, found no directory at {run_dir!r}; pass the --run-dir used by `openhosti train`"
         )
     metrics_path = os.path.join(run_dir, METRICS)
     if not os.path.exists(metrics_path):
-        raise OpenhostiError(
+        raise ReportError(
             f"expected {METRICS} in {run_dir!r}, found {sorted(os.listdir(run_dir))}; train with "
             f"`openhosti train --run-dir {run_dir}` first"
         )

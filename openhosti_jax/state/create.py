@@ -89,7 +89,8 @@ def create_train_state(
     key = jax.random.key(seed) if isinstance(seed, int) else seed
     init_key, state_key = jax.random.split(key)
     try:
-        abstract = jax.eval_shape(init_fn, init_key)
+        with jax.set_mesh(mesh):  # nnx sharding annotations need a mesh even when only shapes are traced
+            abstract = jax.eval_shape(init_fn, init_key)
     except Exception as e:  # noqa: BLE001 - the user's init failed on abstract inputs: say so
         raise StateError(f"init_fn(rng) failed under jax.eval_shape: {e}") from e
     is_nnx = isinstance(abstract, nnx.Module)
@@ -108,7 +109,8 @@ def create_train_state(
         params, rest = _split_nnx(out)[1:] if is_nnx else (out, None)
         return TrainState.create(apply_fn=apply_fn, params=params, tx=tx, rng=k_state, model_state=rest)
 
-    abstract_state = jax.eval_shape(build, init_key, state_key)
+    with jax.set_mesh(mesh):
+        abstract_state = jax.eval_shape(build, init_key, state_key)
     shardings = the_plan.shardings(mesh, the_plan.state_specs(abstract_state))
     with jax.set_mesh(mesh):
         state = jax.jit(build, out_shardings=shardings)(init_key, state_key)
