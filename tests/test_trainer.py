@@ -2,6 +2,7 @@
 
 import json
 
+import jax
 import numpy as np
 
 from openhosti_jax import MeshConfig, Trainer, build_mesh
@@ -39,3 +40,26 @@ def test_keyboard_interrupt_stops_cleanly(tmp_path):
     assert result.interrupted
     assert int(result.state.step) == 2 and len(result.history) == 2
     assert len(read_metrics(tmp_path / "m.jsonl")) == 2
+
+
+def test_trainer_resumes_from_its_checkpoint_bit_identically(tmp_path):
+    from openhosti_jax.train import TrainerCheckpoint
+
+    job = GPTJob(steps=6, global_batch=8, num_sequences=64, progress=False)
+    mesh = build_mesh(MeshConfig(data=2, fsdp=4))
+
+    def fit(steps, ckpt_dir):
+        state, _, step, data = build_job(job, mesh)
+        ckpt = TrainerCheckpoint(ckpt_dir, every_steps=3) if ckpt_dir else None
+        return Trainer(step, progress=False, checkpoint=ckpt).fit(state, data, num_steps=steps), ckpt
+
+    straight, _ = fit(6, None)
+    first, _ = fit(3, tmp_path / "ckpt")
+    resumed, ckpt = fit(6, tmp_path / "ckpt")
+    assert ckpt.resumed_from == 3 and int(resumed.state.step) == 6
+    losses = [h["loss"] for h in first.history + resumed.history]
+    assert losses == [h["loss"] for h in straight.history]
+    for a, b in zip(jax.tree.leaves(resumed.state), jax.tree.leaves(straight.state), strict=True):
+        if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+            a, b = jax.random.key_data(a), jax.random.key_data(b)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -105,7 +105,7 @@ def run_job(job: GPTJob, mesh: Mesh | None = None) -> FitResult:
         print(format_plan(plan, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state.params)))
     checkpoint = None
     if job.checkpoint_dir is not None:
-        from openhosti_jax.checkpoint import TrainerCheckpoint
+        from openhosti_jax.train.resume import TrainerCheckpoint
 
         checkpoint = TrainerCheckpoint(
             job.checkpoint_dir, every_steps=job.checkpoint_every_steps, meta={"plan": str(plan)}

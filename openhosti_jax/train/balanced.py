@@ -50,8 +50,9 @@ class BalancedStep:
         self.mesh, self.plan, self.microbatches = mesh, plan, microbatches
         self.balancer = Balancer(loss_fn, mesh, total=microbatches, axis=axis, **balancer_kw)
         sh = plan.shardings(mesh, plan.param_specs)
-        self._apply = jax.jit(lambda s, g: s.apply_gradients(grads=jax.lax.with_sharding_constraint(g, sh)),
-                              donate_argnums=0)
+        self._apply = jax.jit(
+            lambda s, g: s.apply_gradients(grads=jax.lax.with_sharding_constraint(g, sh)), donate_argnums=0
+        )
 
     def progress_note(self) -> str | None:
         """The current assignment when it is uneven (shown on the Trainer's progress line)."""

@@ -1,0 +1,96 @@
+"""`TrainerCheckpoint`: what the `Trainer` needs from a `CheckpointManager` to resume, save on schedule and stop.
+
+It restores the latest good step (state onto the current shardings, data iterator position), saves when the policy
+says so or when SIGTERM arrives (then the loop stops), and saves and waits at the end.
+
+Example:
+    >>> import tempfile
+    >>> from openhosti_jax.train.resume import TrainerCheckpoint
+    >>> ckpt = TrainerCheckpoint(tempfile.mkdtemp(), every_steps=10)
+    >>> ckpt.manager.latest_good_step() is None
+    True
+    >>> ckpt.close()
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+import jax
+
+from openhosti_jax.state.create import abstract_train_state
+from openhosti_jax.state.train_state import TrainState
+
+
+def _data_state(data_iter: Any) -> dict[str, Any] | None:
+    get = getattr(data_iter, "get_state", None)
+    return get() if callable(get) else None
+
+
+class TrainerCheckpoint:
+    """Checkpointing for `Trainer.fit` over an `openhosti_jax.checkpoint.CheckpointManager`.
+
+    ``save_times`` records ``(step, seconds the training thread was blocked)`` for every save.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        every_minutes: float | None = 15.0,
+        every_steps: int | None = None,
+        keep: int | None = 3,
+        replicate_to: str | os.PathLike | None = None,
+        meta: dict[str, Any] | None = None,
+    ):
+        from openhosti_jax.checkpoint import CheckpointManager
+
+        self.manager = CheckpointManager(
+            directory,
+            every_minutes=every_minutes,
+            every_steps=every_steps or None,
+            keep=keep,
+            replicate_to=replicate_to,
+        )
+        self.meta = dict(meta or {})
+        self.save_times: list[tuple[int, float]] = []
+        self.resumed_from: int | None = None
+        if threading.current_thread() is threading.main_thread():
+            self.manager.save_on_signal()
+
+    def restore_latest(self, state: TrainState, data_iter: Any) -> TrainState:
+        """The latest good step restored onto ``state``'s shardings (and the iterator moved), else ``state``."""
+        if self.manager.latest_good_step() is None:
+            return state
+        restored, data_state, _ = self.manager.restore(abstract_train_state(state))
+        if data_state is not None and callable(getattr(data_iter, "set_state", None)):
+            data_iter.set_state(data_state)
+        self.resumed_from = int(restored.step)
+        return restored
+
+    def _save(self, step: int, state: TrainState, data_iter: Any, force: bool) -> bool:
+        t0 = time.perf_counter()
+        saved = self.manager.maybe_save(step, state, data_state=_data_state(data_iter), meta=self.meta, force=force)
+        if saved:
+            self.save_times.append((step, time.perf_counter() - t0))
+        return saved
+
+    def maybe_save(self, step: int, state: TrainState, data_iter: Any) -> bool:
+        """Save if due; return True when the run must stop (a SIGTERM-forced save has committed)."""
+        self._save(step, state, data_iter, force=False)
+        return self.manager.preempted
+
+    def finish(self, step: int, state: TrainState, data_iter: Any) -> None:
+        """Save the final step (unless already saved), wait for every save to commit, release the manager."""
+        try:
+            if step > 0 and jax.tree.leaves(state):
+                self._save(step, state, data_iter, force=True)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Wait for pending saves and release the manager."""
+        self.manager.close()
