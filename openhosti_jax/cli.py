@@ -25,7 +25,6 @@ import importlib
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -95,30 +94,6 @@ def _command(args: argparse.Namespace) -> list[str]:
     return cmd
 
 
-class _TimedCheckpoint:
-    """Wraps a Trainer checkpoint object; logs how long each save call blocked the loop to checkpoints.jsonl."""
-
-    def __init__(self, inner: Any, run_dir: str):
-        self.inner, self.run_dir = inner, run_dir
-
-    def restore_latest(self, state: Any, data: Any) -> Any:
-        return self.inner.restore_latest(state, data)
-
-    def _timed(self, fn: Callable[..., Any], step: int, *a: Any) -> Any:
-        from openhosti_jax.report.rundir import CHECKPOINTS, append_jsonl
-
-        t0 = time.perf_counter()
-        out = fn(step, *a)
-        append_jsonl(self.run_dir, CHECKPOINTS, {"step": step, "blocking_s": time.perf_counter() - t0})
-        return out
-
-    def maybe_save(self, step: int, state: Any, data: Any) -> Any:
-        return self._timed(self.inner.maybe_save, step, state, data)
-
-    def finish(self, step: int, state: Any, data: Any) -> Any:
-        return self._timed(self.inner.finish, step, state, data)
-
-
 def cmd_train(args: argparse.Namespace) -> int:
     """Train the GPT demo; with ``--run-dir`` write metrics.jsonl, plan.txt, plan.json there."""
     devices = _use_devices(args.devices, args.accelerator)
@@ -130,7 +105,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from openhosti_jax.planner.report import format_plan
     from openhosti_jax.report.memory import plan_record
     from openhosti_jax.report.rundir import METRICS, PLAN_JSON, PLAN_TXT, write_json
-    from openhosti_jax.train import Trainer
+    from openhosti_jax.train import Trainer, TrainerCheckpoint
 
     run_dir = args.run_dir
     metrics = args.metrics or (os.path.join(run_dir, METRICS) if run_dir else None)
@@ -161,13 +136,15 @@ def cmd_train(args: argparse.Namespace) -> int:
         write_json(run_dir, PLAN_JSON, plan_record(plan, state, compiled))
     checkpoint = None
     if ckpt_dir:
-        trainer_checkpoint = _import("openhosti_jax.checkpoint", "TrainerCheckpoint")
-        checkpoint = trainer_checkpoint(os.path.abspath(ckpt_dir), every_steps=args.checkpoint_every)
-        if run_dir:
-            checkpoint = _TimedCheckpoint(checkpoint, run_dir)
+        checkpoint = TrainerCheckpoint(os.path.abspath(ckpt_dir), every_steps=args.checkpoint_every)
     result = Trainer(step, metrics_path=metrics, progress=job.progress, checkpoint=checkpoint).fit(
         state, data, num_steps=job.steps
     )
+    if run_dir and checkpoint is not None:
+        from openhosti_jax.report.rundir import CHECKPOINTS, append_jsonl
+
+        for saved_step, blocking_s in checkpoint.save_times:
+            append_jsonl(run_dir, CHECKPOINTS, {"step": saved_step, "blocking_s": blocking_s})
     losses = [h["loss"] for h in result.history]
     if losses:
         print(f"trained {len(losses)} steps: loss {losses[0]:.4f} -> {losses[-1]:.4f}")

@@ -33,6 +33,9 @@ def run_dir(tmp_path_factory):
             "fsdp",
             "--run-dir",
             str(d),
+            "--checkpoint",
+            "--checkpoint-every",
+            "2",
             "--no-progress",
         ]
     )
@@ -76,6 +79,9 @@ def test_train_writes_run_dir(run_dir):
     total_bytes = 4 * GPTConfig.tiny(seq_len=16, d_model=32).num_params()
     assert sum(r["params"] for r in mem["per_device"]) >= total_bytes  # float32: every parameter lives somewhere
     assert mem["compiled"]["argument"] > 0
+    saves = read_metrics(run_dir / "checkpoints.jsonl")
+    assert [s["step"] for s in saves] == [2, 4] and all(s["blocking_s"] > 0 for s in saves)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()) == ["2", "4"]
 
 
 @pytest.mark.timeout(300)

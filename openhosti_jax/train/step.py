@@ -28,6 +28,7 @@ from typing import Any
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from openhosti_jax.errors import BatchError, StateError
 from openhosti_jax.mesh.build import build_mesh
@@ -73,6 +74,15 @@ def shard_batch(batch: Any, mesh: Mesh, plan: ShardingPlan) -> Any:
     return jax.tree.map(place, batch, shardings)
 
 
+def plan_digest(plan: ShardingPlan) -> str:
+    """A short digest of a plan's placement decisions; processes compare it before the first step."""
+    import hashlib
+
+    specs = jax.tree.leaves((plan.param_specs, plan.grad_specs, plan.opt_specs), is_leaf=lambda x: isinstance(x, P))
+    text = repr((dict(plan.mesh_shape), plan.zero_stage, plan.batch_spec, plan.num_microbatches, specs))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 class SpmdStep:
     """A train step jitted over a mesh by a plan; created by `spmd`. Call it as ``step(state, batch)``."""
 
@@ -99,6 +109,7 @@ class SpmdStep:
         self._plan_kw = plan_kw
         self._jitted: dict[Any, Callable] = {}
         self._retry = None
+        self._agreed = False
 
     def _resolve(self, state: TrainState) -> ShardingPlan:
         if not isinstance(state, TrainState):
@@ -112,6 +123,11 @@ class SpmdStep:
             abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state.params)
             self.plan = resolve_plan(self._strategy or "fsdp", abstract, state.tx, self.mesh, **self._plan_kw)
         self.plan.check_mesh(self.mesh)
+        if jax.process_count() > 1 and not self._agreed:
+            from openhosti_jax.mesh.barrier import agree
+
+            agree("spmd-plan", plan_digest(self.plan))
+            self._agreed = True
         return self.plan
 
     @property
@@ -135,7 +151,7 @@ class SpmdStep:
             self._jitted[key] = jax.jit(
                 wrapped,
                 in_shardings=(state_sh, batch_sh),
-                out_shardings=(state_sh, NamedSharding(self.mesh, jax.sharding.PartitionSpec())),
+                out_shardings=(state_sh, NamedSharding(self.mesh, P())),
                 donate_argnums=(0,) if self.donate else (),
             )
         return self._jitted[key], state_sh
