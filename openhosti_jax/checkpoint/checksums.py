@@ -21,23 +21,30 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 from etils import epath
 
 CHECKSUM_FILE = "openhosti_checksums.json"
 _ITEMS = ("state", "data", "meta")
-_CHUNK = 16 << 20
+_CHUNK = 4 << 20
 
 
-def _crc_file(path: epath.Path) -> tuple[int, int]:
+def _crc_file(path: epath.Path, pace: Callable[[float], None] | None = None) -> tuple[int, int]:
     crc, size = 0, 0
     with path.open("rb") as f:
-        while chunk := f.read(_CHUNK):
+        while True:
+            t0 = time.perf_counter()
+            chunk = f.read(_CHUNK)
+            if not chunk:
+                return size, crc
             crc = zlib.crc32(chunk, crc)
             size += len(chunk)
-    return size, crc
+            if pace is not None:
+                pace(time.perf_counter() - t0)
 
 
 def _files_under(root: epath.Path, rel: str) -> list[str]:
@@ -64,10 +71,16 @@ def owner(rel: str) -> str:
     return f"file {rel!r}"
 
 
-def record_checksums(step_dir: str | os.PathLike[str]) -> dict[str, list[int]]:
-    """Checksum every item file of a committed step; write and return ``{relative path: [size, crc32]}``."""
+def record_checksums(
+    step_dir: str | os.PathLike[str], pace: Callable[[float], None] | None = None
+) -> dict[str, list[int]]:
+    """Checksum every item file of a committed step; write and return ``{relative path: [size, crc32]}``.
+
+    ``pace(seconds)`` is called after each 4 MiB chunk with the time it took (a background caller sleeps there
+    to leave the CPU to training).
+    """
     step_dir = epath.Path(step_dir)
-    record = {rel: list(_crc_file(step_dir / rel)) for rel in _item_files(step_dir)}
+    record = {rel: list(_crc_file(step_dir / rel, pace)) for rel in _item_files(step_dir)}
     tmp = step_dir / (CHECKSUM_FILE + ".tmp")
     tmp.write_text(json.dumps({"version": 1, "files": record}))
     tmp.rename(step_dir / CHECKSUM_FILE)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -44,6 +45,7 @@ from openhosti_jax.data.protocol import check_json_state
 from openhosti_jax.errors import CheckpointCorruptError, CheckpointError
 
 _POLL_S = 0.02
+_IDLE_PER_BUSY = 3.0
 
 
 def _orbax_manager(directory: epath.Path, keep: int | None, *, async_save: bool, read_only: bool) -> Any:
@@ -104,6 +106,7 @@ class CheckpointManager:
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="openhosti-checkpoint")
         self._pending: list[Future[None]] = []
         self._started: set[int] = set()
+        self._hurry = threading.Event()
         self._last_save = time.monotonic()
         self._signal: int | None = None
         self._old_handlers: dict[int, Any] = {}
@@ -175,18 +178,26 @@ class CheckpointManager:
         if jax.process_index() != 0:
             return
         try:
-            record_checksums(path)
+            record_checksums(path, self._pace)
             if self.replicate_to is not None:
                 replicate_step(path, self.replicate_to, keep=self.policy.keep)
         except FileNotFoundError:
             return  # already rotated out by newer steps
 
+    def _pace(self, busy_s: float) -> None:
+        """Background checksumming uses at most 1/(1+_IDLE_PER_BUSY) of a core, unless `wait` is hurrying it."""
+        self._hurry.wait(timeout=_IDLE_PER_BUSY * busy_s)
+
     def wait(self) -> None:
         """Block until every started save is committed, checksummed and replicated."""
-        self._mgr.wait_until_finished()
-        pending, self._pending = self._pending, []
-        for f in pending:
-            f.result()
+        self._hurry.set()
+        try:
+            self._mgr.wait_until_finished()
+            pending, self._pending = self._pending, []
+            for f in pending:
+                f.result()
+        finally:
+            self._hurry.clear()
 
     def save_on_signal(self, signals: tuple[int, ...] = (signal.SIGTERM,)) -> None:
         """On any of ``signals``, force a save at the next `maybe_save` call (the next step boundary).
