@@ -31,9 +31,7 @@ class GrainIterator:
 
     def __init__(self, source: Iterable[Any]) -> None:
         self._it = iter(source)
-        if not (
-            callable(getattr(self._it, "get_state", None)) and callable(getattr(self._it, "set_state", None))
-        ):
+        if not (callable(getattr(self._it, "get_state", None)) and callable(getattr(self._it, "set_state", None))):
             raise BatchError(
                 f"GrainIterator: expected iter(source) to have get_state()/set_state(), found "
                 f"{type(self._it).__name__} without them; pass a grain DataLoader or IterDataset"

@@ -46,8 +46,7 @@ def check_json_state(state: Any, where: str) -> dict[str, Any]:
         again = json.loads(json.dumps(state))
     except (TypeError, ValueError) as e:
         raise BatchError(
-            f"{where}: the iterator state must be JSON-able (str/int/float/bool/list/dict), "
-            f"found {state!r}: {e}"
+            f"{where}: the iterator state must be JSON-able (str/int/float/bool/list/dict), found {state!r}: {e}"
         ) from e
     if again != state:
         raise BatchError(
