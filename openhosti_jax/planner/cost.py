@@ -77,6 +77,10 @@ def _group(spec: P, base: P, sizes: dict[str, int]) -> int:
     return math.prod(sizes[a] for a in extra)
 
 
+def _tensor_dim(spec: P) -> int | None:
+    return next((d for d, entry in enumerate(spec) if entry is not None and "tensor" in spec_axes(P(entry))), None)
+
+
 def estimate(
     plan: ShardingPlan,
     work: Workload,
@@ -105,7 +109,8 @@ def estimate(
     opt_local = sum(_local(x.shape, x.dtype, s, sizes) for x, s in zip(opt, o_specs, strict=True))
     grads_full = sum(_local(x.shape, x.dtype, s, sizes) for x, s in zip(params, base, strict=True))
     gathered = grads_full - param_local
-    act = work.activation_bytes_per_example * b_local
+    act_per_example, split_share = work.tensor_split(tuple(_tensor_dim(bs) for bs in base), t)
+    act = act_per_example * b_local
     batch = sum(_nbytes(x.shape, x.dtype) for x in jax.tree.leaves(work.batch)) / dp
     state = (param_local + opt_local) / stages
     if plan.zero_stage >= 2:  # reduce-scattered leaf by leaf: one full local gradient alive at a time
@@ -141,7 +146,7 @@ def estimate(
             if len(x.shape) == 2 and "tensor" in spec_axes(bs):
                 width = x.shape[1] if bs[0] is not None else x.shape[0]
                 coll("all_reduce", tokens * width * work.activation_itemsize, t)
-    flops = work.flops_per_example * b_local / t
+    flops = work.flops_per_example * b_local * (1 - split_share + split_share / t)
     mem_bytes = 2 * act + 2 * upd_param + upd_param + 2 * opt_local
     compute = flops / profile.peak_flops
     bandwidth = mem_bytes / profile.memory_bandwidth

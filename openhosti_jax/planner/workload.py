@@ -2,9 +2,9 @@
 
 `workload` turns a model (an ``nnx.Module``, a linen module, or an ``init_fn(rng)``) and a sample batch into a
 `Workload`. Activation bytes are the residuals reverse-mode AD saves for the backward pass (``jax.vjp`` traced
-with `jax.make_jaxpr`, nothing allocated), minus those XLA can recompute inside a fusion: a residual made by an
-elementwise op whose inputs are all saved anyway. Measuring at two batch sizes and taking the difference gives
-the per-example cost with parameters and constants cancelled out.
+with `jax.make_jaxpr` at batch size 1, nothing allocated) that depend on the batch, minus those XLA can recompute
+inside a fusion: a residual made by an elementwise op whose inputs are all saved anyway. `Workload.tensor_split`
+says which of them (and of the matmuls) a tensor-parallel sharding splits (`propagate`).
 
 Example:
     >>> import jax, jax.numpy as jnp
@@ -26,8 +26,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import linen, nnx
+from jax.extend.core import Literal
 
 from openhosti_jax.errors import BatchError, StateError
+from openhosti_jax.planner.propagate import dot_flops, propagate
 from openhosti_jax.planner.rules import unbox
 
 ApplyFn = Callable[..., Any]
@@ -61,6 +63,25 @@ class Workload:
     """Positions per example (product of the output's middle dims), for tensor-parallel all-reduce sizes."""
     activation_itemsize: int = 4
     """Bytes per activation element."""
+    jaxpr: Any = None
+    """The forward + VJP jaxpr at batch size 1 (parameters first, then the batch), when an apply_fn is known."""
+    residuals: tuple[Any, ...] = ()
+    """The per-example residuals of ``jaxpr`` counted in ``activation_bytes_per_example``."""
+    _split_cache: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def tensor_split(self, param_dims: tuple[int | None, ...], t: int) -> tuple[float, float]:
+        """(per-example activation bytes per device, fraction of matmul FLOPs computed split) when parameter
+        leaf ``i`` is split over a tensor axis of size ``t`` along dim ``param_dims[i]`` (None: replicated)."""
+        if self.jaxpr is None or t <= 1 or all(d is None for d in param_dims):
+            return self.activation_bytes_per_example, 0.0
+        key = (param_dims, t)
+        if key not in self._split_cache:
+            in_dims = list(param_dims) + [None] * (len(self.jaxpr.invars) - len(param_dims))
+            dims, split_flops = propagate(self.jaxpr, in_dims, t)
+            act = sum(_nbytes(v) / (t if dims.get(v) is not None else 1) for v in self.residuals)
+            total = _dot_flops(self.jaxpr)
+            self._split_cache[key] = (act, split_flops / total if total else 0.0)
+        return self._split_cache[key]
 
 
 def _abstract(x: Any) -> Any:
@@ -120,9 +141,7 @@ def _dot_flops(jaxpr: Any) -> float:
     total = 0.0
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "dot_general":
-            (lc, _), _ = eqn.params["dimension_numbers"]
-            k = math.prod(eqn.invars[0].aval.shape[d] for d in lc)
-            total += 2.0 * k * math.prod(eqn.outvars[0].aval.shape)
+            total += dot_flops(eqn)
         mult = float(eqn.params.get("length", 1)) if eqn.primitive.name == "scan" else 1.0
         for v in eqn.params.values():
             for sub in v if isinstance(v, tuple | list) else (v,):
@@ -132,52 +151,63 @@ def _dot_flops(jaxpr: Any) -> float:
     return total
 
 
-def _materialised_residual_bytes(closed: Any) -> float:
-    jaxpr = closed.jaxpr
+def _per_example_residuals(jaxpr: Any, n_params: int) -> tuple[Any, ...]:
+    """Saved values that depend on the batch and that XLA materialises (not recomputed inside a fusion)."""
     producer = {v: e for e in jaxpr.eqns for v in e.outvars}
-    outs = {v for v in jaxpr.outvars if not isinstance(v, jax.extend.core.Literal)}
+    depends = set(jaxpr.invars[n_params:])
+    for eqn in jaxpr.eqns:
+        if any(not isinstance(i, Literal) and i in depends for i in eqn.invars):
+            depends.update(eqn.outvars)
+    outs = {v for v in jaxpr.outvars if not isinstance(v, Literal)}
     available = outs | set(jaxpr.invars)
-    total, seen = 0.0, set()
-    for v in outs:
-        if v in seen or v in jaxpr.invars:
+    kept = []
+    for v in dict.fromkeys(v for v in jaxpr.outvars if not isinstance(v, Literal)):
+        if v in jaxpr.invars or v not in depends:
             continue
-        seen.add(v)
         eqn = producer.get(v)
         fusible = (
             eqn is not None
             and eqn.primitive.name in _ELEMENTWISE
             and all(
-                isinstance(i, jax.extend.core.Literal)
+                isinstance(i, Literal)
                 or i in available
                 or (i in producer and producer[i].primitive.name in ("broadcast_in_dim", "iota"))
                 for i in eqn.invars
             )
         )
         if not fusible:
-            total += math.prod(v.aval.shape) * v.aval.dtype.itemsize
-    return total
+            kept.append(v)
+    return tuple(kept)
+
+
+def _nbytes(v: Any) -> float:
+    return float(math.prod(v.aval.shape) * v.aval.dtype.itemsize)
 
 
 def measure(params: Any, model_state: Any, apply_fn: ApplyFn | None, batch: Any) -> Workload:
-    """The `Workload` of abstract ``params`` run by ``apply_fn`` on an abstract global ``batch``."""
+    """The `Workload` of abstract ``params`` run by ``apply_fn`` on an abstract global ``batch``.
+
+    One trace of the forward pass and its VJP at batch size 1: every batch-dependent residual is per example.
+    """
     batch = _abstract(batch)
     n = _batch_size(batch)
     if apply_fn is None:
         return Workload(params, model_state, None, batch, n, 0.0, 0.0, 1)
     plain = unbox(params)
 
-    def traced(b: Any) -> Any:
-        def fwd(p: Any, x: Any) -> Any:
-            return jax.tree.leaves(jax.vjp(lambda q: apply_fn(q, x, model_state=model_state), p))
+    def fwd(p: Any, x: Any) -> Any:
+        return jax.tree.leaves(jax.vjp(lambda q: apply_fn(q, x, model_state=model_state), p))
 
-        return jax.make_jaxpr(fwd)(plain, b)
-
-    one, two = traced(_resize(batch, 1)), traced(_resize(batch, 2))
-    act = max(_materialised_residual_bytes(two) - _materialised_residual_bytes(one), 0.0)
+    one = jax.make_jaxpr(fwd)(plain, _resize(batch, 1))
+    n_params = len(jax.tree.leaves(plain))
+    residuals = _per_example_residuals(one.jaxpr, n_params)
     first = one.out_avals[0]
     tokens = math.prod(first.shape[1:-1]) if first.ndim >= 3 else 1
     flops = 3.0 * _dot_flops(one.jaxpr)
-    return Workload(params, model_state, apply_fn, batch, n, flops, act, tokens, first.dtype.itemsize)
+    act = sum(_nbytes(v) for v in residuals)
+    return Workload(
+        params, model_state, apply_fn, batch, n, flops, act, tokens, first.dtype.itemsize, one.jaxpr, residuals
+    )
 
 
 def workload(model: Any, sample_batch: Any, *, apply_fn: ApplyFn | None = None, seed: int = 0) -> Workload:

@@ -1,0 +1,140 @@
+"""Which saved activations and matmuls tensor parallelism splits: a sharding propagation over the step's jaxpr.
+
+Parameters sharded over ``tensor`` mark one dim of their jaxpr input; the mark flows forward through
+elementwise ops, broadcasts, reshapes, transposes, splits, reductions over other dims and matmuls (a marked
+free or batch dim stays marked in the output; a matmul contracting marked dims on both sides ends in an
+all-reduce and is unmarked), as XLA's sharding propagation does for Megatron-style layers. A residual whose
+dim is marked is stored split over the tensor axis; a matmul with a marked operand is computed split.
+Anything the rules do not know is treated as replicated (the conservative side for memory).
+
+Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from openhosti_jax.planner.propagate import propagate
+    >>> f = lambda w, x: jnp.tanh(x @ w)
+    >>> j = jax.make_jaxpr(f)(jnp.ones((4, 8)), jnp.ones((2, 4)))
+    >>> dims, split_flops = propagate(j.jaxpr, [1, None], 2)
+    >>> dims[j.jaxpr.outvars[0]], split_flops  # a column-parallel layer: output features split, matmul split
+    (1, 128.0)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from jax.extend.core import Literal
+
+Dim = int | None
+"""The marked (tensor-split) dim of a value, or None when replicated."""
+
+_SAME_SHAPE = frozenset(
+    "add sub mul div neg exp log log1p expm1 tanh logistic sqrt rsqrt integer_pow pow max min abs sign select_n "
+    "convert_element_type erf erf_inv cos sin square eq ne lt le gt ge and or not stop_gradient "
+    "copy copy_p clamp rem floor ceil round is_finite exp2 nextafter".split()
+)
+
+
+def _reshape(d: int, old: Sequence[int], new: Sequence[int], t: int) -> Dim:
+    """The new dim holding the outermost part of old dim ``d`` when it stays divisible by ``t``."""
+    before = math.prod(old[:d])
+    acc = 1
+    for i, n in enumerate(new):
+        if acc == before and n > 1:
+            return i if n % t == 0 else None
+        acc *= n
+        if acc > before:
+            return None
+    return None
+
+
+def _dot(eqn: Any, dl: Dim, dr: Dim) -> tuple[Dim, bool]:
+    """(marked output dim, whether the matmul is computed split)."""
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    lrank, rrank = (len(v.aval.shape) for v in eqn.invars)
+    lfree = [i for i in range(lrank) if i not in lc and i not in lb]
+    rfree = [i for i in range(rrank) if i not in rc and i not in rb]
+    for d, batch, free, offset in ((dl, lb, lfree, len(lb)), (dr, rb, rfree, len(lb) + len(lfree))):
+        if d is None:
+            continue
+        if d in batch:
+            return list(batch).index(d), True
+        if d in free:
+            return offset + free.index(d), True
+    both = dl is not None and dr is not None and dl in lc and dr in rc and lc.index(dl) == rc.index(dr)
+    return None, both
+
+
+def _sub_jaxpr(eqn: Any) -> Any | None:
+    if eqn.primitive.name in ("scan", "while", "cond"):  # carried / sliced operands shift dims: not followed
+        return None
+    for key in ("jaxpr", "call_jaxpr"):
+        sub = eqn.params.get(key)
+        inner = getattr(sub, "jaxpr", sub)
+        if inner is not None and hasattr(inner, "eqns") and len(inner.invars) == len(eqn.invars):
+            return inner
+    return None
+
+
+def _out_dim(eqn: Any, dims: list[Dim], t: int) -> Dim:
+    name, out = eqn.primitive.name, eqn.outvars[0].aval
+    ins = [v.aval for v in eqn.invars]
+    d = next((x for x in dims if x is not None), None)
+    if d is None:
+        return None
+    src = ins[dims.index(d)]
+    if name in _SAME_SHAPE:
+        ok = len(out.shape) == len(src.shape) and out.shape[d] == src.shape[d]
+        return d if ok else None
+    if name == "broadcast_in_dim":
+        return eqn.params["broadcast_dimensions"][d]
+    if name == "reshape":
+        return _reshape(d, src.shape, out.shape, t)
+    if name == "transpose":
+        return list(eqn.params["permutation"]).index(d)
+    if name in ("reduce_sum", "reduce_max", "reduce_min", "argmax", "argmin"):
+        axes = eqn.params["axes"]
+        return None if d in axes else d - sum(a < d for a in axes)
+    if name == "squeeze":
+        dropped = eqn.params["dimensions"]
+        return None if d in dropped else d - sum(a < d for a in dropped)
+    if name in ("split", "slice", "dynamic_slice", "pad", "concatenate", "cumsum", "cumlogsumexp", "cummax"):
+        return d if all(o.aval.shape[d] % t == 0 for o in eqn.outvars) else None
+    return None
+
+
+def dot_flops(eqn: Any) -> float:
+    """FLOPs of one ``dot_general`` equation (2 x contracted size x output size)."""
+    (lc, _), _ = eqn.params["dimension_numbers"]
+    k = math.prod(eqn.invars[0].aval.shape[d] for d in lc)
+    return 2.0 * k * math.prod(eqn.outvars[0].aval.shape)
+
+
+def propagate(jaxpr: Any, in_dims: Sequence[Dim], t: int) -> tuple[dict[Any, Dim], float]:
+    """(marked dim of every value, FLOPs of the matmuls computed split) for ``jaxpr`` with ``in_dims`` on its
+    invars and a tensor axis of size ``t``."""
+    dims: dict[Any, Dim] = dict(zip(jaxpr.invars, in_dims, strict=True))
+    splits = 0.0
+
+    def get(v: Any) -> Dim:
+        return None if isinstance(v, Literal) else dims.get(v)
+
+    for eqn in jaxpr.eqns:
+        ins = [get(v) for v in eqn.invars]
+        sub = _sub_jaxpr(eqn)
+        if sub is not None:
+            inner, n = propagate(sub, ins, t)
+            splits += n
+            for o, io in zip(eqn.outvars, sub.outvars, strict=True):
+                dims[o] = None if isinstance(io, Literal) else inner.get(io)
+            continue
+        if eqn.primitive.name == "dot_general":
+            out, split = _dot(eqn, *ins[:2])
+            dims[eqn.outvars[0]] = out
+            splits += dot_flops(eqn) if split else 0.0
+            continue
+        if all(x is None for x in ins):
+            continue
+        for o in eqn.outvars:
+            dims[o] = _out_dim(eqn, ins, t) if len(eqn.outvars) == 1 or eqn.primitive.name == "split" else None
+    return dims, splits
