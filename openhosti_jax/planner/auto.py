@@ -19,11 +19,13 @@ from typing import Any
 import jax
 import optax
 
+from openhosti_jax.errors import PlanningError
 from openhosti_jax.mesh.build import build_mesh
 from openhosti_jax.mesh.config import MeshConfig
 from openhosti_jax.planner.plan import ShardingPlan
 from openhosti_jax.planner.profile import DeviceProfile
 from openhosti_jax.planner.profile import device_profile as resolve_profile
+from openhosti_jax.planner.refine import time_plans
 from openhosti_jax.planner.report import format_bytes
 from openhosti_jax.planner.rules import DEFAULT_RULES, Rules
 from openhosti_jax.planner.search import candidate_lines, enumerate_candidates, rank, search, why
@@ -47,6 +49,7 @@ def plan(
     device_profile: DeviceProfile | str | None = None,
     rules: Rules = DEFAULT_RULES,
     apply_fn: Callable | None = None,
+    refine: int = 0,
 ) -> ShardingPlan:
     """The best `ShardingPlan` for training ``init_fn_or_model`` with ``optimizer`` on ``devices``.
 
@@ -56,8 +59,12 @@ def plan(
     ``step_fn(state, batch) -> (state, metrics)`` is the step compiled for verification (default: the mean
     model output as loss). ``pipeline`` adds the ``stage`` axis to the search (scored, not compiled).
     ``device_profile``: a `DeviceProfile` or a `PROFILES` name; default spec sheet or CPU calibration.
+    ``refine``: compile and time the ``refine`` best predicted candidates for a few real steps and pick the
+    fastest measured (`refine.time_plans`; needs ``verify``; the timings are listed in ``plan.notes``).
     Raises `MemoryBudgetError` when nothing fits, naming the smallest achievable memory.
     """
+    if not isinstance(refine, int) or refine < 0:
+        raise PlanningError(f"refine must be an int >= 0 (candidates to time), found {refine!r}; use 0 to skip")
     devices = list(devices or jax.devices())
     work = workload(init_fn_or_model, sample_batch, apply_fn=apply_fn)
     profile = resolve_profile(devices, device_profile)
@@ -70,6 +77,16 @@ def plan(
         notes.append("no apply function: activations and FLOPs unknown, chosen on state memory and traffic")
     winner = ranked[0].plan
     can_compile = verify and (step_fn is not None or work.apply_fn is not None)
+    if refine and can_compile:
+        top = [s for s in ranked[:refine] if s.plan.pipeline_stages == 1]
+        measured = time_plans([s.plan for s in top], work, optimizer, step_fn or default_step, devices, sample_batch)
+        by_time = sorted(zip(measured, top, strict=True), key=lambda m: m[0])
+        ranked = [s for _, s in by_time] + [s for s in ranked if s not in top]
+        notes.insert(
+            0,
+            f"refined: timed the top {len(top)} predicted, picked {by_time[0][1].candidate.label}; measured "
+            + ", ".join(f"{s.candidate.label} {t * 1e3:.2f} ms" for t, s in by_time),
+        )
     for tried, scored_plan in enumerate(ranked[:VERIFY_TRIES] if can_compile else []):
         candidate = scored_plan.plan
         if candidate.pipeline_stages > 1:

@@ -99,7 +99,7 @@ def estimate(
     p_specs, g_specs = _specs(plan.param_specs), _specs(plan.grad_specs)
     base = _specs(base_specs) if base_specs is not None else g_specs
     sharded = _specs(sharded_specs) if sharded_specs is not None else g_specs
-    opt = jax.tree.leaves(jax.eval_shape(tx.init, work.params))
+    opt = jax.tree.leaves(work.opt_state(tx))
     o_specs = _specs(plan.opt_specs)
     dp, t = plan.data_parallel_size, sizes.get("tensor", 1)
     stages = sizes.get("stage", 1)

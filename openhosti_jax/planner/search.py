@@ -93,8 +93,10 @@ def score(
     *,
     rules: Rules = DEFAULT_RULES,
     min_elements: int = DEFAULT_MIN_ELEMENTS,
+    sharded_specs: Any | None = None,
 ) -> Scored:
-    """The plan and predicted cost of one candidate."""
+    """The plan and predicted cost of one candidate (``sharded_specs``: its fully ZeRO-sharded parameter specs,
+    when already known for its mesh shape)."""
     sizes = candidate.mesh_shape
     treedef = jax.tree.structure(work.params)
     base = jax.tree.unflatten(treedef, base_specs(work.params, sizes, rules))
@@ -109,9 +111,14 @@ def score(
         pipeline_stages=sizes["stage"],
         param_shapes=work.params,
     )
-    sharded = zero_specs(
-        work.params, tx, sizes, 3, base_specs=base, axes=candidate.zero_axes, min_elements=min_elements
-    )[0]
+    if plan.zero_stage == 3:
+        sharded = plan.param_specs
+    elif sharded_specs is not None:
+        sharded = sharded_specs
+    else:
+        sharded = zero_specs(
+            work.params, tx, sizes, 3, base_specs=base, axes=candidate.zero_axes, min_elements=min_elements
+        )[0]
     est = estimate(plan, work, tx, profile, base, sharded)
     plan = dataclasses.replace(
         plan, predicted_bytes=est.bytes, predicted_seconds=est.seconds, predicted_comm_bytes=int(est.comm_bytes)
@@ -132,15 +139,20 @@ def search(
     **kw: Any,
 ) -> list[Scored]:
     """Score every candidate whose data-parallel size divides the batch (and whose tensor axis is used)."""
-    out = []
-    for c in candidates:
+    out, sharded = [], {}
+    for c in sorted(candidates, key=lambda c: -c.zero_stage):  # stage 3 first: its specs serve 1 and 2
         dp = c.mesh_shape["data"] * c.mesh_shape["fsdp"]
         if work.global_batch % dp:
             continue
-        s = score(work, tx, c, profile, **kw)
+        group = (tuple(c.mesh_shape.items()), c.zero_axes)
+        s = score(work, tx, c, profile, sharded_specs=sharded.get(group), **kw)
+        if c.zero_stage == 3:
+            sharded[group] = s.plan.param_specs
         if c.mesh_shape["tensor"] > 1 and not _uses_tensor(s):
             continue
         out.append(s)
+    order = {id(c): i for i, c in enumerate(candidates)}
+    out.sort(key=lambda s: order[id(s.candidate)])
     if not out:
         raise PlanningError(
             f"no candidate mesh divides the global batch {work.global_batch} over its data-parallel axes; "

@@ -69,6 +69,13 @@ class Workload:
     """The per-example residuals of ``jaxpr`` counted in ``activation_bytes_per_example``."""
     _split_cache: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
+    def opt_state(self, tx: Any) -> Any:
+        """The abstract optimizer state of ``tx`` for ``params`` (traced once per optimizer)."""
+        key = ("opt", id(tx))
+        if key not in self._split_cache:
+            self._split_cache[key] = (tx, jax.eval_shape(tx.init, self.params))
+        return self._split_cache[key][1]
+
     def tensor_split(self, param_dims: tuple[int | None, ...], t: int) -> tuple[float, float]:
         """(per-example activation bytes per device, fraction of matmul FLOPs computed split) when parameter
         leaf ``i`` is split over a tensor axis of size ``t`` along dim ``param_dims[i]`` (None: replicated)."""

@@ -1,0 +1,59 @@
+"""Tensor-parallel split of activations and matmuls: propagation rules vs closed forms and the compiled step."""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+from openhosti_jax.mesh import MeshConfig, build_mesh
+from openhosti_jax.planner import PROFILES, plan
+from openhosti_jax.planner.demo import example_inputs, gpt_step
+from openhosti_jax.planner.propagate import propagate
+from openhosti_jax.planner.search import Candidate, score
+from openhosti_jax.planner.verify import compiled_step_bytes
+from openhosti_jax.planner.workload import workload
+
+
+def mlp(w1, w2, x):
+    return jnp.tanh(x @ w1) @ w2
+
+
+def test_column_then_row_marks_hidden_only():
+    j = jax.make_jaxpr(mlp)(jnp.ones((8, 32)), jnp.ones((32, 8)), jnp.ones((4, 8)))
+    dims, split_flops = propagate(j.jaxpr, [1, 0, None], 2)
+    hidden = [e.outvars[0] for e in j.jaxpr.eqns if e.primitive.name == "tanh"][0]
+    assert dims[hidden] == 1  # (4, 32) split on its features
+    assert dims[j.jaxpr.outvars[0]] is None  # row-parallel output: all-reduced, replicated
+    assert split_flops == 2 * 4 * 8 * 32 * 2  # both matmuls run split
+
+
+def test_unsplit_params_mark_nothing():
+    j = jax.make_jaxpr(mlp)(jnp.ones((8, 32)), jnp.ones((32, 8)), jnp.ones((4, 8)))
+    dims, split_flops = propagate(j.jaxpr, [None, None, None], 2)
+    assert split_flops == 0 and all(d is None for d in dims.values())
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("shape", [{"data": 4, "tensor": 2}, {"fsdp": 2, "tensor": 4}])
+def test_tensor_parallel_memory_matches_compiled(shape):
+    init_fn, tx, batch = example_inputs("gpt-tiny")
+    work = workload(init_fn, batch)
+    sizes = {"stage": 1, "data": 1, "fsdp": 1, "tensor": 1, **shape}
+    s = score(work, tx, Candidate(sizes, 1 if sizes["fsdp"] > 1 else 0), PROFILES["H100"])
+    compiled = compiled_step_bytes(s.plan, work, tx, gpt_step, build_mesh(MeshConfig.from_sizes(sizes)))
+    assert 0.85 < s.estimate.bytes / compiled < 1.15, (s.estimate.memory, compiled)
+
+
+@pytest.mark.timeout(300)
+def test_refine_times_top_candidates_and_keeps_the_fastest():
+    init_fn, tx, batch = example_inputs("gpt-tiny")
+    p = plan(init_fn, optax.adam(1e-3), batch, refine=2, step_fn=gpt_step, device_profile="H100")
+    note = next(n for n in p.notes if n.startswith("refined"))
+    timed = [part.rsplit(" ", 2) for part in note.split("measured ", 1)[1].split(", ")]
+    ms = {label: float(t) for label, t, _ in timed}
+    picked = note.split("picked ", 1)[1].split(";")[0]
+    assert len(ms) == 2 and picked == min(ms, key=ms.get)
+    assert all(f"{a}={n}" in picked for a, n in p.mesh_shape.items() if n > 1) and picked.endswith(
+        f"zero{p.zero_stage}"
+    )
+    assert p.compiled_bytes is not None
