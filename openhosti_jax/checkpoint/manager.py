@@ -37,7 +37,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.sharding import NamedSharding
 
-from openhosti_jax.checkpoint.checksums import has_checksums, record_checksums, verify_checksums
+from openhosti_jax.checkpoint.checksums import CHECKSUM_FILE, has_checksums, record_checksums, verify_checksums
 from openhosti_jax.checkpoint.flat import abstract_flat, check_same_leaves, flatten_state, unflatten_state
 from openhosti_jax.checkpoint.policy import SavePolicy
 from openhosti_jax.checkpoint.replicate import replica_steps, replicate_step
@@ -48,9 +48,11 @@ _POLL_S = 0.02
 _IDLE_PER_BUSY = 3.0
 
 
-def _orbax_manager(directory: epath.Path, keep: int | None, *, async_save: bool, read_only: bool) -> Any:
+def _orbax_manager(directory: epath.Path, *, async_save: bool, read_only: bool) -> Any:
+    # Rotation is ours (`_rotate`), not Orbax's: Orbax deleting a step while its checksums are being written
+    # could leave a checksum record over a half-deleted step, which would then look good.
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=keep,
+        max_to_keep=None,
         enable_async_checkpointing=async_save,
         cleanup_tmp_directories=not read_only,
         create=not read_only,
@@ -102,7 +104,7 @@ class CheckpointManager:
         self.policy = SavePolicy(every_minutes=every_minutes, every_steps=every_steps, keep=keep)
         self.directory = epath.Path(directory)
         self.replicate_to = None if replicate_to is None else epath.Path(replicate_to)
-        self._mgr = _orbax_manager(self.directory, keep, async_save=async_save, read_only=False)
+        self._mgr = _orbax_manager(self.directory, async_save=async_save, read_only=False)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="openhosti-checkpoint")
         self._pending: list[Future[None]] = []
         self._started: set[int] = set()
@@ -177,12 +179,30 @@ class CheckpointManager:
             time.sleep(_POLL_S)
         if jax.process_index() != 0:
             return
-        try:
-            record_checksums(path, self._pace)
-            if self.replicate_to is not None:
-                replicate_step(path, self.replicate_to, keep=self.policy.keep)
-        except FileNotFoundError:
-            return  # already rotated out by newer steps
+        record_checksums(path, self._pace)
+        if self.replicate_to is not None:
+            replicate_step(path, self.replicate_to, keep=self.policy.keep)
+        self._rotate()
+
+    def _rotate(self) -> None:
+        """Keep the newest ``keep`` good steps; drop older ones and dead (never checksummed) older folders.
+
+        The checksum record goes first, so a kill in the middle leaves a folder that is not good, never a good
+        step with missing files.
+        """
+        good = _good_steps(self.directory)
+        if not good:
+            return
+        drop = set(good[: -self.policy.keep] if self.policy.keep else [])
+        drop |= {
+            int(p.name)
+            for p in self.directory.iterdir()
+            if p.name.isdigit() and int(p.name) < good[-1] and not has_checksums(p)
+        }
+        for step in sorted(drop):
+            path = self.directory / str(step)
+            (path / CHECKSUM_FILE).unlink(missing_ok=True)
+            path.rmtree(missing_ok=True)
 
     def _pace(self, busy_s: float) -> None:
         """Background checksumming uses at most 1/(1+_IDLE_PER_BUSY) of a core, unless `wait` is hurrying it."""
@@ -254,7 +274,7 @@ class CheckpointManager:
                 tried = True
                 problems = verify_checksums(root / str(s))
                 if not problems:
-                    reader = mgr or _orbax_manager(root, None, async_save=False, read_only=True)
+                    reader = mgr or _orbax_manager(root, async_save=False, read_only=True)
                     try:
                         return self._restore_step(reader, s, abstract_state, target)
                     except CheckpointError:
