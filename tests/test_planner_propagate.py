@@ -20,17 +20,26 @@ def mlp(w1, w2, x):
 
 def test_column_then_row_marks_hidden_only():
     j = jax.make_jaxpr(mlp)(jnp.ones((8, 32)), jnp.ones((32, 8)), jnp.ones((4, 8)))
-    dims, split_flops = propagate(j.jaxpr, [1, 0, None], 2)
+    dims, split_flops, resharded = propagate(j.jaxpr, [1, 0, None], 2)
     hidden = [e.outvars[0] for e in j.jaxpr.eqns if e.primitive.name == "tanh"][0]
     assert dims[hidden] == 1  # (4, 32) split on its features
     assert dims[j.jaxpr.outvars[0]] is None  # row-parallel output: all-reduced, replicated
-    assert split_flops == 2 * 4 * 8 * 32 * 2  # both matmuls run split
+    assert split_flops == 2 * 4 * 8 * 32 * 2 and resharded == 0  # both matmuls run split, no regathering
 
 
 def test_unsplit_params_mark_nothing():
     j = jax.make_jaxpr(mlp)(jnp.ones((8, 32)), jnp.ones((32, 8)), jnp.ones((4, 8)))
-    dims, split_flops = propagate(j.jaxpr, [None, None, None], 2)
+    dims, split_flops, _ = propagate(j.jaxpr, [None, None, None], 2)
     assert split_flops == 0 and all(d is None for d in dims.values())
+
+
+def test_reshape_to_heads_that_t_does_not_divide_reshards():
+    def heads(w, x):
+        return jnp.sum((x @ w).reshape(4, 2, 16), axis=2)
+
+    j = jax.make_jaxpr(heads)(jnp.ones((8, 32)), jnp.ones((4, 8)))
+    assert propagate(j.jaxpr, [1, None], 2)[2] == 0  # 2 | 2 heads: the split carries on
+    assert propagate(j.jaxpr, [1, None], 4)[2] == 4 * 32 * 4  # 4 does not divide 2 heads: (4, 32) fp32 gathered
 
 
 @pytest.mark.timeout(300)

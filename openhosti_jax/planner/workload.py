@@ -76,18 +76,19 @@ class Workload:
             self._split_cache[key] = (tx, jax.eval_shape(tx.init, self.params))
         return self._split_cache[key][1]
 
-    def tensor_split(self, param_dims: tuple[int | None, ...], t: int) -> tuple[float, float]:
-        """(per-example activation bytes per device, fraction of matmul FLOPs computed split) when parameter
-        leaf ``i`` is split over a tensor axis of size ``t`` along dim ``param_dims[i]`` (None: replicated)."""
+    def tensor_split(self, param_dims: tuple[int | None, ...], t: int) -> tuple[float, float, float]:
+        """(per-example activation bytes per device, fraction of matmul FLOPs computed split, per-example bytes
+        resharded) when parameter leaf ``i`` is split over a tensor axis of size ``t`` along dim
+        ``param_dims[i]`` (None: replicated)."""
         if self.jaxpr is None or t <= 1 or all(d is None for d in param_dims):
-            return self.activation_bytes_per_example, 0.0
+            return self.activation_bytes_per_example, 0.0, 0.0
         key = (param_dims, t)
         if key not in self._split_cache:
             in_dims = list(param_dims) + [None] * (len(self.jaxpr.invars) - len(param_dims))
-            dims, split_flops = propagate(self.jaxpr, in_dims, t)
+            dims, split_flops, reshard = propagate(self.jaxpr, in_dims, t)
             act = sum(_nbytes(v) / (t if dims.get(v) is not None else 1) for v in self.residuals)
             total = _dot_flops(self.jaxpr)
-            self._split_cache[key] = (act, split_flops / total if total else 0.0)
+            self._split_cache[key] = (act, split_flops / total if total else 0.0, reshard)
         return self._split_cache[key]
 
 
