@@ -4,10 +4,10 @@ Example:
     >>> import jax, jax.numpy as jnp, optax
     >>> from openhosti_jax.planner.plan import ShardingPlan
     >>> from openhosti_jax.planner.audit import unsharded_leaves
-    >>> params = {"big": jax.ShapeDtypeStruct((1000, 7), jnp.float32), "w": jax.ShapeDtypeStruct((64, 64), jnp.float32)}
+    >>> params = {"big": jax.ShapeDtypeStruct((1001, 7), jnp.float32), "w": jax.ShapeDtypeStruct((64, 64), jnp.float32)}
     >>> plan = ShardingPlan.from_zero(params, optax.sgd(0.1), {"fsdp": 8}, 3)
     >>> [(path, nbytes) for path, _, nbytes in unsharded_leaves(plan, params)]
-    [("['big']", 28000)]
+    [("['big']", 28028)]
 """
 
 from __future__ import annotations
