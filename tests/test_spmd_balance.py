@@ -17,8 +17,9 @@ def test_balanced_gpt_step_equals_plain_step_and_moves_work_off_a_slow_device():
     mesh = build_mesh(MeshConfig(data=4), devices=jax.devices()[:4])
     state, plan, plain, data = build_job(JOB, mesh)
     loss_fn = gpt_loss_fn(state.apply_fn, state.model_state)
-    balanced = spmd(loss_fn, mesh=mesh, plan=plan, balance=True, microbatches=16, every=1,
-                    throttle=Throttle.for_devices(4, {3: 4}))
+    balanced = spmd(
+        loss_fn, mesh=mesh, plan=plan, balance=True, microbatches=16, every=1, throttle=Throttle.for_devices(4, {3: 4})
+    )
     ref_state, _, _, _ = build_job(JOB, mesh)
     losses, ref_losses = [], []
     for _ in range(4):

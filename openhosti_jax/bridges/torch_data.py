@@ -29,9 +29,9 @@ from typing import Any
 import numpy as np
 from jax.sharding import Mesh
 
-from openhosti_jax.bridges.global_batch import BatchSpec, to_global_batch
+from openhosti_jax.bridges.epochs import EpochIterator
+from openhosti_jax.bridges.global_batch import BatchSpec
 from openhosti_jax.bridges.tensors import torch_to_numpy
-from openhosti_jax.data.protocol import check_json_state
 from openhosti_jax.errors import BatchError, BridgeError
 
 
@@ -69,7 +69,7 @@ def _generators(loader: Any) -> list[Any]:
     return gens
 
 
-class TorchLoader:
+class TorchLoader(EpochIterator):
     """Iterate a torch ``DataLoader`` over epochs as numpy batches with a resumable position.
 
     Args:
@@ -102,10 +102,7 @@ class TorchLoader:
         self._generators = _generators(loader)
         self.loader = loader
         self.names = None if names is None else tuple(names)
-        self.num_epochs = num_epochs
-        self.mesh, self.spec = mesh, spec
-        self._seed, self._epoch, self._position = int(seed), 0, 0
-        self._it: Iterator[Any] | None = None
+        super().__init__(seed=seed, num_epochs=num_epochs, mesh=mesh, spec=spec)
 
     def _open_epoch(self) -> Iterator[Any]:
         for g in self._generators:
@@ -142,44 +139,6 @@ class TorchLoader:
                 "encode them as tensors in the dataset or collate_fn"
             )
         return {str(k): torch_to_numpy(v) for k, v in items}
-
-    def __iter__(self) -> TorchLoader:
-        return self
-
-    def __next__(self) -> dict[str, Any]:
-        while True:
-            if self.num_epochs is not None and self._epoch >= self.num_epochs:
-                raise StopIteration
-            fresh = self._it is None
-            if fresh:
-                self._it = self._open_epoch()
-            batch = next(self._it, None)
-            if batch is not None:
-                break
-            if fresh and self._position == 0:
-                raise BatchError(f"TorchLoader: the loader yielded no batch in epoch {self._epoch}")
-            self._epoch, self._position, self._it = self._epoch + 1, 0, None
-        self._position += 1
-        local = self._to_dict(batch)
-        return local if self.mesh is None else to_global_batch(local, self.mesh, self.spec)
-
-    def get_state(self) -> dict[str, Any]:
-        """``{"epoch", "position", "seed"}``: the next batch is batch ``position`` of ``epoch``."""
-        return {"epoch": self._epoch, "position": self._position, "seed": self._seed}
-
-    def set_state(self, state: dict[str, Any]) -> None:
-        """Continue from a `get_state` dict; the next batch is the one after the last one it counted."""
-        check_json_state(state, "TorchLoader.set_state")
-        missing = {"epoch", "position", "seed"} - set(state)
-        if missing:
-            raise BatchError(
-                f"TorchLoader.set_state: expected keys epoch, position, seed; missing {sorted(missing)} in "
-                f"{state!r}; pass a dict from TorchLoader.get_state()"
-            )
-        epoch, position = int(state["epoch"]), int(state["position"])
-        if epoch < 0 or position < 0:
-            raise BatchError(f"TorchLoader.set_state: expected epoch, position >= 0, found {epoch}, {position}")
-        self._seed, self._epoch, self._position, self._it = int(state["seed"]), epoch, position, None
 
 
 __all__ = ["TorchLoader", "epoch_seed"]

@@ -1,0 +1,26 @@
+"""The README's quick start runs as written, and its first two lines are the install/run and test commands."""
+
+import math
+import pathlib
+import re
+
+README = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+
+
+def test_readme_opens_with_the_two_commands():
+    first_block = re.search(r"```bash\n(.*?)```", README, re.S).group(1).strip().splitlines()
+    assert first_block == [
+        "pip install -e . && python examples/train_gpt.py",
+        'pip install -e ".[test,torch,tf]" && python -m pytest -q',
+    ]
+    ci = (pathlib.Path(__file__).resolve().parents[1] / ".ci" / "run").read_text()
+    assert first_block[1] in ci
+
+
+def test_quick_start_runs_and_trains():
+    code = re.search(r"## Quick start.*?```python\n(.*?)```", README, re.S).group(1)
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 - the README's own example
+    assert int(scope["state"].step) == 1
+    assert math.isfinite(float(scope["metrics"]["loss"]))
+    assert scope["plan"].zero_stage == 3
