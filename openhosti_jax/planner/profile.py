@@ -2,8 +2,9 @@
 
 Accelerators come from their published specs; CPU (and any unknown kind) is measured at run time by
 `calibrate`: a matmul and an elementwise op run on every device at once (so shared cores are accounted for),
-and all-reduce / all-gather / reduce-scatter at two sizes give each collective's latency (alpha) and bandwidth
-(beta). Any field can be overridden with `dataclasses.replace` or by passing a profile to the planner.
+and all-reduce / all-gather / reduce-scatter at several sizes (64 KiB .. 8 MiB, alternated, medians) give each
+collective's latency (alpha) and bandwidth (beta) by a least-squares fit (`fit_alpha_beta`). Any field can be
+overridden with `dataclasses.replace` or by passing a profile to the planner.
 
 Example:
     >>> from openhosti_jax.planner.profile import PROFILES
@@ -20,7 +21,6 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -100,6 +100,10 @@ _KIND_ALIASES = {
 }
 
 
+CALIBRATION_SIZES: tuple[int, ...] = (2**16, 2**18, 2**20, 2**21, 2**23)
+"""Per-device buffer bytes (64 KiB .. 8 MiB) at which `calibrate` times each collective."""
+
+
 def _median_seconds(fn: Callable[[], object], reps: int) -> float:
     jax.block_until_ready(fn())
     times = []
@@ -110,41 +114,107 @@ def _median_seconds(fn: Callable[[], object], reps: int) -> float:
     return float(np.median(times))
 
 
-def _fit_alpha_beta(sizes: Sequence[int], seconds: Sequence[float], factor: float) -> tuple[float, float]:
-    """(alpha, bandwidth) from two timings of ``factor * nbytes`` bus traffic."""
-    (s0, s1), (t0, t1) = sizes, seconds
-    slope = max((t1 - t0) / (factor * (s1 - s0)), 1e-15)
-    return max(t0 - slope * factor * s0, 0.0), 1.0 / slope
+def _alternated_medians(fns: Sequence[Callable[[], object]], reps: int) -> list[float]:
+    """Median seconds of each of ``fns``, timed in ``reps`` alternating rounds (load drifts hit all alike)."""
+    for fn in fns:
+        jax.block_until_ready(fn())
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(reps):
+        for fn, ts in zip(fns, times, strict=True):
+            t = time.perf_counter()
+            jax.block_until_ready(fn())
+            ts.append(time.perf_counter() - t)
+    return [float(np.median(ts)) for ts in times]
 
 
-def calibrate(devices: Sequence[jax.Device] | None = None, *, reps: int = 5) -> DeviceProfile:
-    """Measure a profile for ``devices`` (default: all) by timing small kernels on all of them at once."""
+def fit_alpha_beta(bus_bytes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
+    """(alpha seconds, bandwidth bytes/s) of ``seconds ~ alpha + bus_bytes / bandwidth``.
+
+    Ordinary least squares on the times (so the large sizes, whose times are least disturbed by scheduling
+    noise, set the bandwidth). A negative intercept is refitted through the origin (alpha = 0). A non-positive
+    slope (time not growing with size: noise or load; numerically: the size term is under 1% of the largest
+    size's time) is rejected: the bandwidth of the largest size is used, with alpha 0.
+
+    Example:
+        >>> a, bw = fit_alpha_beta([1e6, 2e6, 4e6], [2e-3, 3e-3, 5e-3])
+        >>> round(a * 1e3, 3), round(bw / 1e9, 3)
+        (1.0, 1.0)
+    """
+    x, t = np.asarray(bus_bytes, np.float64), np.asarray(seconds, np.float64)
+    if x.shape != t.shape or x.size < 2 or np.unique(x).size < 2 or not (t > 0).all():
+        raise PlanningError(
+            f"alpha-beta fit needs >= 2 distinct sizes with positive times; got sizes {x.tolist()}, "
+            f"seconds {t.tolist()}; time each collective at several sizes"
+        )
+    slope, alpha = np.polyfit(x, t, 1)
+    if alpha < 0:
+        alpha, slope = 0.0, float(np.dot(x, t) / np.dot(x, x))
+    if not slope * x.max() > 0.01 * t.max():
+        i = int(np.argmax(x))
+        return 0.0, float(x[i] / t[i])
+    return float(alpha), float(1.0 / slope)
+
+
+def _agreed_seconds(seconds: Sequence[float]) -> list[float]:
+    """Per entry, the slowest process's time, so that every process builds the same profile (and plan)."""
+    if jax.process_count() == 1:
+        return list(seconds)
+    from jax.experimental import multihost_utils
+
+    gathered = multihost_utils.process_allgather(np.asarray(seconds, np.float64))
+    return [float(v) for v in np.max(np.asarray(gathered).reshape(jax.process_count(), -1), axis=0)]
+
+
+def calibrate(
+    devices: Sequence[jax.Device] | None = None,
+    *,
+    reps: int = 5,
+    sizes: Sequence[int] = CALIBRATION_SIZES,
+) -> DeviceProfile:
+    """Measure a profile for ``devices`` (default: all) by timing small kernels on all of them at once.
+
+    Each collective is timed at every per-device buffer size in ``sizes`` (``reps`` alternating rounds,
+    medians) and fitted by `fit_alpha_beta`. With devices in several processes the collectives cross the
+    process boundary, so the fit prices that link; every process takes the slowest process's timings and so
+    returns the same profile (call it on all processes, like any collective).
+    """
     devices = list(devices or jax.devices())
     n = len(devices)
+    if len(set(sizes)) < 2 or min(sizes) < 4 * n:
+        raise PlanningError(
+            f"calibrate needs >= 2 distinct sizes of >= {4 * n} bytes; got {list(sizes)}; "
+            f"pass e.g. sizes={CALIBRATION_SIZES}"
+        )
     mesh = Mesh(np.asarray(devices, dtype=object), ("d",), axis_types=(AxisType.Explicit,))
     sharded = NamedSharding(mesh, P("d"))
 
-    def on_all(f: Callable, *shapes: tuple[int, ...]) -> float:
-        xs = [jax.device_put(jnp.ones((n, *s), jnp.float32), sharded) for s in shapes]
+    def on_all(f: Callable, *shapes: tuple[int, ...]) -> Callable[[], object]:
+        local = [d for d in devices if d.process_index == jax.process_index()]
+        xs = [
+            jax.make_array_from_process_local_data(sharded, np.ones((len(local), *s), np.float32), (n, *s))
+            for s in shapes
+        ]
         g = jax.jit(jax.shard_map(lambda *a: f(*(x[0] for x in a))[None], mesh=mesh, in_specs=P("d"), out_specs=P("d")))
-        return _median_seconds(lambda: g(*xs), reps)
+        return lambda: g(*xs)
 
-    m = 512
-    flops = 2 * m**3 / on_all(lambda a, b: a @ b, (m, m), (m, m))
-    k = 2**20
-    mem_bw = 3 * 4 * k / on_all(lambda a, b: a * 1.5 + b, (k,), (k,))
-    if n == 1:
-        return DeviceProfile("cpu (measured)", flops, mem_bw, dict.fromkeys(COLLECTIVES, 1e12), 0.0)
-    bandwidth, latencies = {}, []
-    sizes = (2**14, 2**21)
+    m, k = 512, 2**20
+    kernels = [on_all(lambda a, b: a @ b, (m, m), (m, m)), on_all(lambda a, b: a * 1.5 + b, (k,), (k,))]
     collectives = {
         "all_reduce": (2.0, lambda a: jax.lax.psum(a, "d")),
         "all_gather": (1.0, lambda a: jax.lax.all_gather(a[: a.shape[0] // n], "d", tiled=True)),
         "reduce_scatter": (1.0, lambda a: jax.lax.psum_scatter(a, "d", tiled=True)),
     }
-    for kind, (factor, f) in collectives.items():
-        secs = [on_all(f, (s // 4,)) for s in sizes]
-        alpha, bw = _fit_alpha_beta([s * (n - 1) / n for s in sizes], secs, factor)
+    sizes = sorted({s // (4 * n) * 4 * n for s in sizes})
+    if n > 1:
+        kernels += [on_all(f, (s // 4,)) for _, f in collectives.values() for s in sizes]
+    secs = _agreed_seconds(_alternated_medians(kernels, reps))
+    flops, mem_bw = 2 * m**3 / secs[0], 3 * 4 * k / secs[1]
+    if n == 1:
+        return DeviceProfile("cpu (measured)", flops, mem_bw, dict.fromkeys(COLLECTIVES, 1e12), 0.0)
+    bandwidth, latencies = {}, []
+    for i, (kind, (factor, _)) in enumerate(collectives.items()):
+        timed = secs[2 + i * len(sizes) : 2 + (i + 1) * len(sizes)]
+        alpha, bw = fit_alpha_beta([factor * s * (n - 1) / n for s in sizes], timed)
         bandwidth[kind] = bw
         latencies.append(alpha)
     return DeviceProfile(f"{devices[0].platform} (measured)", flops, mem_bw, bandwidth, float(np.median(latencies)))
