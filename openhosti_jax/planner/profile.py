@@ -114,13 +114,21 @@ def _median_seconds(fn: Callable[[], object], reps: int) -> float:
     return float(np.median(times))
 
 
-def _alternated_medians(fns: Sequence[Callable[[], object]], reps: int) -> list[float]:
-    """Median seconds of each of ``fns``, timed in ``reps`` alternating rounds (load drifts hit all alike)."""
+def _alternated_medians(
+    fns: Sequence[Callable[[], object]], reps: int, sync: Callable[[], object] | None = None
+) -> list[float]:
+    """Median seconds of each of ``fns``, timed in ``reps`` alternating rounds (load drifts hit all alike).
+
+    ``sync`` (untimed, before each timing) lines processes up, so that a collective's time is not its wait for
+    a process still busy with the previous kernel.
+    """
     for fn in fns:
         jax.block_until_ready(fn())
     times: list[list[float]] = [[] for _ in fns]
     for _ in range(reps):
         for fn, ts in zip(fns, times, strict=True):
+            if sync is not None:
+                jax.block_until_ready(sync())
             t = time.perf_counter()
             jax.block_until_ready(fn())
             ts.append(time.perf_counter() - t)
@@ -207,7 +215,8 @@ def calibrate(
     sizes = sorted({s // (4 * n) * 4 * n for s in sizes})
     if n > 1:
         kernels += [on_all(f, (s // 4,)) for _, f in collectives.values() for s in sizes]
-    secs = _agreed_seconds(_alternated_medians(kernels, reps))
+    sync = on_all(lambda a: jax.lax.psum(a, "d"), (1,)) if jax.process_count() > 1 else None
+    secs = _agreed_seconds(_alternated_medians(kernels, reps, sync))
     flops, mem_bw = 2 * m**3 / secs[0], 3 * 4 * k / secs[1]
     if n == 1:
         return DeviceProfile("cpu (measured)", flops, mem_bw, dict.fromkeys(COLLECTIVES, 1e12), 0.0)
