@@ -15,12 +15,12 @@ import sys  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 
 from openhosti_jax.mesh import MeshConfig, build_mesh  # noqa: E402
 from openhosti_jax.models.gpt import make_corpus  # noqa: E402
 from openhosti_jax.planner import calibrate, plan  # noqa: E402
 from openhosti_jax.planner.demo import EXAMPLES, example_inputs, gpt_step  # noqa: E402
+from openhosti_jax.planner.refine import time_plans  # noqa: E402
 from openhosti_jax.planner.search import enumerate_candidates, search  # noqa: E402
 from openhosti_jax.planner.verify import memory_bytes  # noqa: E402
 from openhosti_jax.planner.workload import workload  # noqa: E402
@@ -46,28 +46,18 @@ def main() -> None:
     refined = plan(init_fn, tx, batch, memory_budget=None, step_fn=gpt_step, device_profile=profile, refine=REFINE)
     refine_s = time.perf_counter() - t
 
-    scored = search(workload(init_fn, batch), tx, enumerate_candidates(8), profile)
+    work = workload(init_fn, batch)
+    scored = search(work, tx, enumerate_candidates(8), profile)
     tokens = make_corpus(n, cfg.seq_len)
-    runs, ratios = {}, {}
+    ratios = {}
     for s in scored:
         mesh = build_mesh(MeshConfig.from_sizes(dict(s.plan.mesh_shape)))
         state, p = create_train_state(init_fn, tx, mesh, plan=s.plan)
-        step = spmd(gpt_step, mesh=mesh, plan=p)
-        compiled = memory_bytes(step.lower(state, tokens).compile())
+        compiled = memory_bytes(spmd(gpt_step, mesh=mesh, plan=p).lower(state, tokens).compile())
         ratios[s.candidate.label] = s.estimate.bytes / compiled if compiled else None
-        state, m = step(state, tokens)
-        jax.block_until_ready(m)
-        runs[s.candidate.label] = [step, state, []]
-    for _ in range(ROUNDS):  # alternate candidates so machine noise spreads over all of them
-        for run in runs.values():
-            step, state, times = run
-            for _ in range(STEPS):
-                t = time.perf_counter()
-                state, m = step(state, tokens)
-                jax.block_until_ready(m)
-                times.append(time.perf_counter() - t)
-            run[1] = state
-    med = {label: float(np.median(r[2])) for label, r in runs.items()}
+    # the same alternated timing the planner's refine= uses, over every candidate
+    seconds = time_plans([s.plan for s in scored], work, tx, gpt_step, jax.devices(), batch, steps=STEPS, rounds=ROUNDS)
+    med = {s.candidate.label: t for s, t in zip(scored, seconds, strict=True)}
 
     def label(p):
         return next(
