@@ -27,12 +27,10 @@ PeakFn = Callable[[jax.stages.Compiled], int | None]
 """``compiled -> per-device peak bytes`` (``None`` when unknown)."""
 
 
-def compiled_peak_bytes(compiled: jax.stages.Compiled) -> int | None:
-    """Per-device peak bytes from XLA's memory analysis; ``None`` when the backend does not report it.
+def memory_stats(compiled: jax.stages.Compiled) -> dict[str, int] | None:
+    """``memory_analysis()`` fields per device (argument, output, temp, alias, peak); ``None`` when unreported.
 
-    The larger of ``peak_memory_in_bytes`` and the buffer assignment's footprint (arguments + temporaries +
-    outputs not aliased to donated arguments): the runtime allocates the whole temp block, and on CPU the heap
-    simulation's peak can be below it once the step has a loop (`lax.scan` accumulation).
+    All-zero fields (some GPU/TPU builds) count as unreported.
     """
     try:
         stats = compiled.memory_analysis()
@@ -40,10 +38,31 @@ def compiled_peak_bytes(compiled: jax.stages.Compiled) -> int | None:
         return None
     if stats is None:
         return None
-    footprint = (
-        stats.argument_size_in_bytes + stats.temp_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
-    )
-    peak = max(int(getattr(stats, "peak_memory_in_bytes", 0) or 0), int(footprint))
+    out = {
+        "argument": int(stats.argument_size_in_bytes),
+        "output": int(stats.output_size_in_bytes),
+        "temp": int(stats.temp_size_in_bytes),
+        "alias": int(stats.alias_size_in_bytes),
+        "peak": int(getattr(stats, "peak_memory_in_bytes", 0) or 0),
+    }
+    return out if any(out.values()) else None
+
+
+def footprint_bytes(stats: dict[str, int]) -> int:
+    """The buffer assignment's footprint: arguments + temporaries + outputs not aliased to donated arguments."""
+    return stats["argument"] + stats["temp"] + stats["output"] - stats["alias"]
+
+
+def compiled_peak_bytes(compiled: jax.stages.Compiled) -> int | None:
+    """Per-device peak bytes from XLA's memory analysis; ``None`` when the backend does not report it.
+
+    The larger of ``peak_memory_in_bytes`` and `footprint_bytes`: the runtime allocates the whole temp block, and
+    on CPU the heap simulation's peak can be below it once the step has a loop (`lax.scan` accumulation).
+    """
+    stats = memory_stats(compiled)
+    if stats is None:
+        return None
+    peak = max(stats["peak"], footprint_bytes(stats))
     return peak if peak > 0 else None
 
 

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
+from openhosti_jax.microbatch.probe import footprint_bytes, memory_stats
 from openhosti_jax.planner.plan import ShardingPlan
 from openhosti_jax.planner.workload import Workload
 from openhosti_jax.state.train_state import TrainState
@@ -31,14 +32,11 @@ StepFn = Callable[[TrainState, Any], tuple[TrainState, Any]]
 
 def memory_bytes(compiled: jax.stages.Compiled) -> int | None:
     """Per-device bytes of a compiled program (None when the backend does not report them)."""
-    try:
-        ma = compiled.memory_analysis()
-    except (NotImplementedError, RuntimeError):
+    stats = memory_stats(compiled)
+    if stats is None:
         return None
-    if ma is None:
-        return None
-    total = ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes - ma.alias_size_in_bytes
-    return int(total) if total > 0 else None
+    total = footprint_bytes(stats)
+    return total if total > 0 else None
 
 
 def abstract_state(work: Workload, tx: optax.GradientTransformation) -> TrainState:

@@ -22,6 +22,7 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec as P
 
+from openhosti_jax.microbatch.probe import memory_stats
 from openhosti_jax.planner.plan import ShardingPlan
 
 
@@ -60,20 +61,7 @@ def predicted_memory(plan: ShardingPlan, params: Any, opt_state: Any) -> dict[st
 
 def compiled_memory(compiled: jax.stages.Compiled) -> dict[str, int] | None:
     """``memory_analysis()`` fields per device, or ``None`` when the backend reports nothing."""
-    try:
-        stats = compiled.memory_analysis()
-    except (NotImplementedError, RuntimeError):
-        return None
-    if stats is None:
-        return None
-    out = {
-        "argument": int(stats.argument_size_in_bytes),
-        "output": int(stats.output_size_in_bytes),
-        "temp": int(stats.temp_size_in_bytes),
-        "alias": int(stats.alias_size_in_bytes),
-        "peak": int(getattr(stats, "peak_memory_in_bytes", 0) or 0),
-    }
-    return out if any(out.values()) else None
+    return memory_stats(compiled)
 
 
 def resident_memory(state: Any) -> list[dict[str, int]]:
