@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from openhosti_jax.bridges.global_batch import BatchSpec, to_global_batch
-from openhosti_jax.data.protocol import check_json_state
+from openhosti_jax.data.protocol import position_state
 from openhosti_jax.errors import BatchError
 
 
@@ -71,15 +71,5 @@ class EpochIterator:
 
     def set_state(self, state: dict[str, Any]) -> None:
         """Continue from a `get_state` dict; the next batch is the one after the last one it counted."""
-        name = type(self).__name__
-        check_json_state(state, f"{name}.set_state")
-        missing = {"epoch", "position", "seed"} - set(state)
-        if missing:
-            raise BatchError(
-                f"{name}.set_state: expected keys epoch, position, seed; missing {sorted(missing)} in "
-                f"{state!r}; pass a dict from {name}.get_state()"
-            )
-        epoch, position = int(state["epoch"]), int(state["position"])
-        if epoch < 0 or position < 0:
-            raise BatchError(f"{name}.set_state: expected epoch, position >= 0, found {epoch}, {position}")
-        self._seed, self._epoch, self._position, self._it = int(state["seed"]), epoch, position, None
+        epoch, position, seed = position_state(state, f"{type(self).__name__}.set_state")
+        self._seed, self._epoch, self._position, self._it = seed, epoch, position, None

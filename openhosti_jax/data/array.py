@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from openhosti_jax.data.protocol import check_json_state
+from openhosti_jax.data.protocol import position_state
 from openhosti_jax.errors import BatchError
 
 
@@ -128,18 +128,5 @@ class ArrayDataset:
 
     def set_state(self, state: dict[str, Any]) -> None:
         """Continue from a `get_state` dict; its seed replaces this dataset's seed."""
-        check_json_state(state, "ArrayDataset.set_state")
-        missing = {"epoch", "position", "seed"} - set(state)
-        if missing:
-            raise BatchError(
-                f"ArrayDataset.set_state: expected keys epoch, position, seed; missing {sorted(missing)} "
-                f"in {state!r}; pass a dict from ArrayDataset.get_state()"
-            )
-        epoch, position = int(state["epoch"]), int(state["position"])
-        if epoch < 0 or not 0 <= position <= self.steps_per_epoch:
-            raise BatchError(
-                f"ArrayDataset.set_state: expected epoch >= 0 and 0 <= position <= {self.steps_per_epoch} "
-                f"(steps per epoch), found epoch {epoch}, position {position}; was the state saved for a "
-                "different dataset size or global batch size?"
-            )
-        self._seed, self._epoch, self._position, self._order = int(state["seed"]), epoch, position, None
+        epoch, position, seed = position_state(state, "ArrayDataset.set_state", self.steps_per_epoch)
+        self._seed, self._epoch, self._position, self._order = seed, epoch, position, None

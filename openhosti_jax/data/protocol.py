@@ -54,3 +54,23 @@ def check_json_state(state: Any, where: str) -> dict[str, Any]:
             "lists instead of tuples"
         )
     return state
+
+
+def position_state(state: Any, where: str, max_position: int | None = None) -> tuple[int, int, int]:
+    """``(epoch, position, seed)`` of a ``{"epoch", "position", "seed"}`` iterator state; `BatchError` if it is
+    not JSON-able, lacks a key, or is out of range (``0 <= position <= max_position`` when given)."""
+    check_json_state(state, where)
+    missing = {"epoch", "position", "seed"} - set(state)
+    if missing:
+        raise BatchError(
+            f"{where}: expected keys epoch, position, seed; missing {sorted(missing)} in {state!r}; pass a dict "
+            "from the same iterator type's get_state()"
+        )
+    epoch, position = int(state["epoch"]), int(state["position"])
+    limit = "" if max_position is None else f" <= {max_position} (steps per epoch)"
+    if epoch < 0 or position < 0 or (max_position is not None and position > max_position):
+        raise BatchError(
+            f"{where}: expected epoch >= 0 and 0 <= position{limit}, found epoch {epoch}, position {position}; "
+            "was the state saved for a different data source, dataset size or global batch size?"
+        )
+    return epoch, position, int(state["seed"])
