@@ -19,14 +19,18 @@ _local = threading.local()
 
 
 @contextlib.contextmanager
-def active_gradient_shardings(shardings: Any) -> Iterator[None]:
-    """Within the block, `constrain_gradients` places gradients with ``shardings`` (a pytree of NamedSharding)."""
-    prev = getattr(_local, "grad_shardings", None)
-    _local.grad_shardings = shardings
+def _setting(name: str, value: Any) -> Iterator[None]:
+    prev = getattr(_local, name, None)
+    setattr(_local, name, value)
     try:
         yield
     finally:
-        _local.grad_shardings = prev
+        setattr(_local, name, prev)
+
+
+def active_gradient_shardings(shardings: Any) -> contextlib.AbstractContextManager[None]:
+    """Within the block, `constrain_gradients` places gradients with ``shardings`` (a pytree of NamedSharding)."""
+    return _setting("grad_shardings", shardings)
 
 
 def constrain_gradients(grads: Any) -> Any:
@@ -39,15 +43,9 @@ def constrain_gradients(grads: Any) -> Any:
     return jax.lax.with_sharding_constraint(grads, shardings)
 
 
-@contextlib.contextmanager
-def active_microbatches(num_microbatches: int) -> Iterator[None]:
+def active_microbatches(num_microbatches: int) -> contextlib.AbstractContextManager[None]:
     """Within the block, `current_microbatches` returns ``num_microbatches`` (set by ``@spmd(microbatch=...)``)."""
-    prev = getattr(_local, "microbatches", None)
-    _local.microbatches = num_microbatches
-    try:
-        yield
-    finally:
-        _local.microbatches = prev
+    return _setting("microbatches", num_microbatches)
 
 
 def current_microbatches(default: int = 1) -> int:

@@ -107,7 +107,8 @@ class SpmdStep:
         self.microbatch_choice = None
         """The `MicrobatchChoice` of ``microbatch="auto"`` (after the first call)."""
         self._plan_kw = plan_kw
-        self._jitted: dict[Any, Callable] = {}
+        self._jitted: dict[Any, tuple[Callable, Any]] = {}
+        """(jitted step, state shardings) per (state treedef, batch treedef, microbatches)."""
         self._retry = None
         self._agreed = False
 
@@ -139,8 +140,8 @@ class SpmdStep:
         plan = self._resolve(state)
         k = k or plan.num_microbatches
         key = (jax.tree.structure(state), jax.tree.structure(batch), k)
-        state_sh = plan.shardings(self.mesh, plan.state_specs(state))
         if key not in self._jitted:
+            state_sh = plan.shardings(self.mesh, plan.state_specs(state))
             grad_sh = plan.shardings(self.mesh, plan.grad_specs)
             batch_sh = plan.batch_shardings(self.mesh, batch)
 
@@ -148,13 +149,14 @@ class SpmdStep:
                 with active_gradient_shardings(grad_sh), active_microbatches(k):
                     return self.fn(s, b)
 
-            self._jitted[key] = jax.jit(
+            fn = jax.jit(
                 wrapped,
                 in_shardings=(state_sh, batch_sh),
                 out_shardings=(state_sh, NamedSharding(self.mesh, P())),
                 donate_argnums=(0,) if self.donate else (),
             )
-        return self._jitted[key], state_sh
+            self._jitted[key] = (fn, state_sh)
+        return self._jitted[key]
 
     def place(self, state: TrainState, batch: Any) -> tuple[TrainState, Any]:
         """(state moved to the plan's shardings if it is not there yet, batch sharded over the data axes)."""
