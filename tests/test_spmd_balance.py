@@ -6,7 +6,7 @@ import pytest
 
 from openhosti_jax import MeshConfig, build_mesh, spmd
 from openhosti_jax.balance import Throttle
-from openhosti_jax.errors import BatchError, StateError
+from openhosti_jax.errors import BatchError, ShardingError, StateError
 from openhosti_jax.models.gpt_job import GPTJob, build_job, gpt_loss_fn
 
 JOB = GPTJob(steps=4, global_batch=32, num_sequences=256, plan="dp", progress=False)
@@ -42,6 +42,10 @@ def test_balance_needs_a_plan_and_divisible_batches():
     loss_fn = gpt_loss_fn(state.apply_fn, state.model_state)
     with pytest.raises(StateError, match="ShardingPlan"):
         spmd(loss_fn, mesh=mesh, plan="dp", balance=True)
+    fsdp_mesh = build_mesh(MeshConfig(data=1, fsdp=4), devices=jax.devices()[:4])
+    _, fsdp_plan, _, _ = build_job(GPTJob(**{**JOB.__dict__, "plan": "fsdp"}), fsdp_mesh)
+    with pytest.raises(ShardingError, match="use plan='dp', 'zero1' or 'zero2'"):
+        spmd(loss_fn, mesh=fsdp_mesh, plan=fsdp_plan, balance=True)
     step = spmd(loss_fn, mesh=mesh, plan=plan, balance=True, microbatches=5)
     with pytest.raises(BatchError, match="not divisible by microbatches=5"):
         step(state, next(data))

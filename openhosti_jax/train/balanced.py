@@ -25,7 +25,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from openhosti_jax.errors import BatchError
+from openhosti_jax.errors import BatchError, ShardingError
 from openhosti_jax.planner.plan import ShardingPlan
 from openhosti_jax.state.train_state import TrainState
 
@@ -45,11 +45,15 @@ class BalancedStep:
     ):
         from openhosti_jax.balance import Balancer
 
-        if plan.zero_stage == 3 and any(plan.mesh_shape.get(a, 1) > 1 for a in ("fsdp",)):
-            raise BatchError("balance=True needs replicated parameters on the data axis; use plan='dp' or 'zero1'")
+        if plan.zero_stage == 3 and plan.mesh_shape.get("fsdp", 1) > 1:
+            raise ShardingError(
+                "balance=True needs parameters replicated over the data-parallel devices, found a ZeRO-3 plan "
+                "sharding them on fsdp; use plan='dp', 'zero1' or 'zero2'"
+            )
         self.mesh, self.plan, self.microbatches = mesh, plan, microbatches
         self.balancer = Balancer(loss_fn, mesh, total=microbatches, axis=axis, **balancer_kw)
         sh = plan.shardings(mesh, plan.param_specs)
+        self._next_rng = jax.jit(lambda s: s.next_rng())
         self._apply = jax.jit(
             lambda s, g: s.apply_gradients(grads=jax.lax.with_sharding_constraint(g, sh)), donate_argnums=0
         )
@@ -68,7 +72,7 @@ class BalancedStep:
                 )
             return x.reshape(self.microbatches, x.shape[0] // self.microbatches, *x.shape[1:])
 
-        state, rng = jax.jit(lambda s: s.next_rng())(state)
+        state, rng = self._next_rng(state)
         with jax.set_mesh(self.mesh):
             loss, grads, n_real = self.balancer(state.params, jax.tree.map(split, batch), rng)
             state = self._apply(state, grads)
