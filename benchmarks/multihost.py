@@ -7,11 +7,12 @@ Every run goes through `launch_local` (127.0.0.1, gloo collectives).
 * Step time: `examples/multihost_worker.py` trains the demo GPT with FSDP over 8 devices, once as 1 process x 8
   devices and once as 2 processes x 4; the median step time after the compile steps is compared.
 * All-reduce: 2 processes x 1 device, so every byte crosses the process boundary. In each of ROUNDS alternating
-  rounds the planner's cost model (`openhosti_jax.planner.profile.calibrate`) fits its alpha-beta all-reduce
-  model in this 2-process setting from timings at 64 KiB .. 8 MiB (alternated, medians, least squares); its
-  prediction for a 32 MiB all-reduce (4x past the largest calibration size, never a calibration point) is
-  compared with a median measured right after. The ratio reported is the median over rounds. A 16 MiB
-  all-reduce, timed alternated with it, gives the same ratio at 2x past the calibration sizes (a detail).
+  rounds the planner's cost model (`openhosti_jax.planner.profile.calibrate`) is calibrated in this 2-process
+  setting as the planner calibrates for a model whose gradient is TOP bytes (`calibration_sizes(TOP)`: 64 KiB
+  .. 8 MiB, then 32 MiB; alternated, medians); its predictions for all-reduces of OFF_LADDER sizes (3, 12 and
+  24 MiB, none a calibration point, so they test the interpolation) are compared with medians measured right
+  after, alternated. Per size the ratio is the median over rounds; the headline is the size farthest from 1.
+  A detail: the default calibration (up to 8 MiB) extrapolating to 32 MiB, what the model does beyond its data.
 
 The last line printed is one JSON object with the keys of BENCHMARKS.md (multihost.py) and details.
 """
@@ -25,15 +26,16 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-BIG = 2**25  # bytes of the measured all-reduce
-MID = 2**24  # a second, nearer size, measured alternated with BIG (a detail)
+MIB = 2**20
+TOP = 32 * MIB  # the gradient bytes the calibration is sized for
+OFF_LADDER = (3 * MIB, 12 * MIB, 24 * MIB)  # measured all-reduce sizes, between calibration points
 STEPS, WARMUP = 14, 4
 ROUNDS = 3  # calibrate / measure rounds of the all-reduce comparison
 
 
 def allreduce_worker() -> None:
     """One of 2 processes: in ROUNDS alternating rounds, calibrate the cost model across the two processes, then
-    time a BIG-byte all-reduce across them (never a calibration size)."""
+    time all-reduces of the OFF_LADDER sizes across them."""
     from openhosti_jax.mesh import initialize_distributed
 
     initialize_distributed(timeout_s=60)
@@ -42,34 +44,35 @@ def allreduce_worker() -> None:
     from jax.sharding import AxisType, Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from openhosti_jax.planner.profile import CALIBRATION_SIZES, _alternated_medians, calibrate
+    from openhosti_jax.planner.profile import _alternated_medians, calibrate, calibration_sizes
 
-    assert BIG > 2 * max(CALIBRATION_SIZES), "the measured size must lie beyond the calibration sizes"
+    ladder = calibration_sizes(TOP)
+    assert not set(OFF_LADDER) & set(ladder) and max(OFF_LADDER) < ladder[-1], (OFF_LADDER, ladder)
     devices = jax.devices()
     n = len(devices)
     mesh = Mesh(np.asarray(devices, dtype=object), ("d",), axis_types=(AxisType.Explicit,))
-    x, x_mid, tiny = (
-        jax.make_array_from_process_local_data(
-            NamedSharding(mesh, P("d")), np.ones((1, b // 4), np.float32), (n, b // 4)
-        )
-        for b in (BIG, MID, 4)
-    )
+
+    def array(nbytes):
+        sharding = NamedSharding(mesh, P("d"))
+        return jax.make_array_from_process_local_data(sharding, np.ones((1, nbytes // 4), np.float32), (n, nbytes // 4))
+
     f = jax.jit(jax.shard_map(lambda a: jax.lax.psum(a, "d"), mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+    xs, tiny, top = [array(b) for b in OFF_LADDER], array(4), array(TOP)
     rounds = []
     for _ in range(ROUNDS):
-        profile = calibrate(devices, reps=7)
-        measured, measured_mid = _alternated_medians([lambda: f(x), lambda: f(x_mid)], 7, lambda: f(tiny))
+        profile = calibrate(devices, reps=7, sizes=ladder)
+        short = calibrate(devices, reps=7)  # the default ladder, up to 8 MiB: extrapolates to TOP
+        measured = _alternated_medians([*(lambda x=x: f(x) for x in xs), lambda: f(top)], 7, lambda: f(tiny))
         rounds.append(
             {
-                "measured_s": measured,
-                "predicted_s": profile.collective_seconds("all_reduce", BIG, n),
-                "mid_over_predicted": measured_mid / profile.collective_seconds("all_reduce", MID, n),
-                "alpha_s": profile.link_latency,
-                "bus_bandwidth_Bps": profile.link_bandwidth["all_reduce"],
+                "measured_s": measured[:-1],
+                "predicted_s": [profile.collective_seconds("all_reduce", b, n) for b in OFF_LADDER],
+                "top_extrapolated_over_measured": short.collective_seconds("all_reduce", TOP, n) / measured[-1],
+                "curve": profile.link_curve["all_reduce"],
             }
         )
-    total = float(f(x).addressable_data(0)[0, 0])
-    out = {"process": jax.process_index(), "devices": n, "bytes": BIG, "rounds": rounds, "psum_value": total}
+    total = float(f(xs[0]).addressable_data(0)[0, 0])
+    out = {"process": jax.process_index(), "devices": n, "rounds": rounds, "psum_value": total}
     print("RESULT " + json.dumps(out), flush=True)
     jax.distributed.shutdown()
 
@@ -102,22 +105,26 @@ def main() -> None:
     ar = _run([sys.executable, os.path.abspath(__file__), "--allreduce"], 2, 1)[0]
     assert ar["psum_value"] == 2.0, ar
     rounds = ar["rounds"]
-    ratios = [r["measured_s"] / r["predicted_s"] for r in rounds]
-    mid = rounds[int(np.argsort(ratios)[len(ratios) // 2])]
+    per_size = {
+        f"{b // MIB}MiB": float(np.median([r["measured_s"][i] / r["predicted_s"][i] for r in rounds]))
+        for i, b in enumerate(OFF_LADDER)
+    }
+    worst = max(per_size.values(), key=lambda r: abs(np.log(r)))
+    ms = lambda seconds: {k: round(t * 1e3, 3) for k, t in zip(per_size, seconds, strict=True)}
+    last = rounds[-1]
     result = {
-        "allreduce_measured_over_predicted": float(np.median(ratios)),
+        "allreduce_measured_over_predicted": worst,
         "two_process_over_one_process": two_s / one_s,
         "one_process_step_s": one_s,
         "two_process_step_s": two_s,
         "max_loss_diff_two_vs_one": losses_match,
-        "allreduce_bytes": ar["bytes"],
-        "allreduce_measured_over_predicted_per_round": ratios,
-        "allreduce_16MiB_measured_over_predicted": float(np.median([r["mid_over_predicted"] for r in rounds])),
-        "allreduce_measured_s": mid["measured_s"],
-        "allreduce_predicted_s": mid["predicted_s"],
-        "allreduce_measured_bus_GBps": 2 * (ar["devices"] - 1) / ar["devices"] * ar["bytes"] / mid["measured_s"] / 1e9,
-        "calibrated_alpha_s": mid["alpha_s"],
-        "calibrated_bus_GBps": mid["bus_bandwidth_Bps"] / 1e9,
+        "allreduce_measured_over_predicted_by_size": per_size,
+        "allreduce_measured_ms_last_round": ms(last["measured_s"]),
+        "allreduce_predicted_ms_last_round": ms(last["predicted_s"]),
+        "calibrated_curve_last_round": [(int(b), round(t * 1e3, 3)) for b, t in last["curve"]],
+        "allreduce_32MiB_measured_over_predicted_calibrated_to_8MiB": float(
+            np.median([1 / r["top_extrapolated_over_measured"] for r in rounds])
+        ),
         "steps_measured": STEPS - WARMUP,
     }
     print(json.dumps(result))

@@ -1,12 +1,16 @@
-"""Logical-axis rules, Flax metadata reading, tensor-parallel specs, alpha-beta formulas."""
+"""Logical-axis rules, Flax metadata reading, tensor-parallel specs, alpha-beta formulas and measured curves."""
+
+import dataclasses
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from openhosti_jax.planner.profile import PROFILES
+from openhosti_jax.errors import PlanningError
+from openhosti_jax.planner.profile import CALIBRATION_SIZES, MAX_CALIBRATION_BYTES, PROFILES, calibration_sizes
 from openhosti_jax.planner.rules import DEFAULT_RULES, logical_names, logical_spec
 from openhosti_jax.planner.tensor import base_specs
 
@@ -61,3 +65,28 @@ def test_alpha_beta_formulas():
     assert p.collective_seconds("all_reduce", b, n) == p.link_latency + 2 * (n - 1) / n * b / bw
     assert p.collective_seconds("all_gather", b, n) == p.link_latency + (n - 1) / n * b / bw
     assert p.collective_seconds("reduce_scatter", b, 1) == 0.0
+
+
+def test_measured_curve_interpolates_and_extends_its_end_segments():
+    """A calibrated profile follows its measured points (bandwidth halving past 8 MiB), not one line."""
+    mib = 2**20
+    curve = ((1 * mib, 1e-3), (8 * mib, 8e-3), (32 * mib, 56e-3))  # 1 GB/s, then 0.5 GB/s
+    p = dataclasses.replace(PROFILES["H100"], link_curve={"all_gather": curve})
+    n = 2  # all-gather bus bytes = (n-1)/n * bytes
+    at = lambda bus: p.collective_seconds("all_gather", bus * n / (n - 1), n)
+    assert at(8 * mib) == pytest.approx(8e-3)
+    assert at(20 * mib) == pytest.approx(8e-3 + 12 * mib * 48e-3 / (24 * mib))  # on the 0.5 GB/s segment
+    assert at(64 * mib) == pytest.approx(56e-3 + 32 * mib * 48e-3 / (24 * mib))  # last segment extended
+    assert at(1024) == pytest.approx(1e-3)  # never below the smallest measured time
+    # kinds without a curve keep the alpha-beta line
+    bw = p.link_bandwidth["all_reduce"]
+    assert p.collective_seconds("all_reduce", mib, 8) == p.link_latency + 2 * 7 / 8 * mib / bw
+    with pytest.raises(PlanningError, match="link_curve"):
+        dataclasses.replace(p, link_curve={"all_gather": ((2.0, 1.0), (1.0, 2.0))})
+
+
+def test_calibration_sizes_reach_the_largest_collective():
+    assert calibration_sizes() == CALIBRATION_SIZES
+    assert calibration_sizes(2**20) == CALIBRATION_SIZES
+    assert calibration_sizes(20 * 2**20)[-1] == 32 * 2**20
+    assert calibration_sizes(2**40)[-1] == MAX_CALIBRATION_BYTES

@@ -28,7 +28,7 @@ from openhosti_jax.planner.profile import device_profile as resolve_profile
 from openhosti_jax.planner.refine import time_plans
 from openhosti_jax.planner.report import format_bytes
 from openhosti_jax.planner.rules import DEFAULT_RULES, Rules
-from openhosti_jax.planner.search import candidate_lines, enumerate_candidates, rank, search, why
+from openhosti_jax.planner.search import candidate_lines, enumerate_candidates, gradient_bytes, rank, search, why
 from openhosti_jax.planner.verify import compiled_step_bytes, default_step
 from openhosti_jax.planner.workload import workload
 
@@ -67,7 +67,7 @@ def plan(
         raise PlanningError(f"refine must be an int >= 0 (candidates to time), found {refine!r}; use 0 to skip")
     devices = list(devices or jax.devices())
     work = workload(init_fn_or_model, sample_batch, apply_fn=apply_fn)
-    profile = resolve_profile(devices, device_profile)
+    profile = resolve_profile(devices, device_profile, max_bytes=gradient_bytes(work))
     budget = memory_budget if memory_budget is not None else profile.memory_bytes
     scored = search(work, optimizer, enumerate_candidates(len(devices), pipeline=pipeline), profile, rules=rules)
     ranked = rank(scored, budget)

@@ -2,8 +2,12 @@
 
 Accelerators come from their published specs; CPU (and any unknown kind) is measured at run time by
 `calibrate`: a matmul and an elementwise op run on every device at once (so shared cores are accounted for),
-and all-reduce / all-gather / reduce-scatter at several sizes (64 KiB .. 8 MiB, alternated, medians) give each
-collective's latency (alpha) and bandwidth (beta) by a least-squares fit (`fit_alpha_beta`). Any field can be
+and all-reduce / all-gather / reduce-scatter at several sizes (64 KiB .. 8 MiB, and on up to the largest
+collective the model needs, `calibration_sizes`; alternated, medians) give each collective's latency (alpha)
+and bandwidth (beta) by a least-squares fit (`fit_alpha_beta`), and the measured points themselves: a
+calibrated profile prices a collective by interpolating its measured curve (`DeviceProfile.link_curve`),
+because caches and protocol switches make the bandwidth depend on the size (on this CPU the cross-process
+all-reduce bandwidth halves between 8 and 32 MiB), which one straight line cannot follow. Any field can be
 overridden with `dataclasses.replace` or by passing a profile to the planner.
 
 Example:
@@ -47,6 +51,10 @@ class DeviceProfile:
     """Seconds of fixed cost per collective (alpha)."""
     memory_bytes: int | None = None
     """Device memory, the default memory budget (None: unknown, no default budget)."""
+    link_curve: Mapping[str, tuple[tuple[float, float], ...]] = dataclasses.field(default_factory=dict)
+    """Collective kind -> measured ``(bus bytes, seconds)`` points, sizes ascending, times non-decreasing.
+    Where given, it prices that collective by piecewise-linear interpolation, each end segment extended;
+    empty (spec-sheet profiles): the alpha-beta line."""
 
     def __post_init__(self) -> None:
         problems = [
@@ -58,6 +66,13 @@ class DeviceProfile:
         if missing:
             problems.append(f"link_bandwidth lacks {missing}; give bytes/s for each of {COLLECTIVES}")
         problems += [f"link_bandwidth[{k!r}]={v!r} must be > 0" for k, v in self.link_bandwidth.items() if v <= 0]
+        for kind, points in self.link_curve.items():
+            x, t = np.asarray([p[0] for p in points], float), np.asarray([p[1] for p in points], float)
+            if kind not in COLLECTIVES or len(points) < 2 or (np.diff(x) <= 0).any() or (np.diff(t) < 0).any():
+                problems.append(
+                    f"link_curve[{kind!r}] must be >= 2 (bus bytes, seconds) points of a kind in {COLLECTIVES}, "
+                    f"sizes increasing and times non-decreasing; found {points}"
+                )
         if self.link_latency < 0:
             problems.append(f"link_latency={self.link_latency!r} must be >= 0")
         if problems:
@@ -70,8 +85,19 @@ class DeviceProfile:
         """
         if n <= 1 or nbytes <= 0:
             return 0.0
-        factor = 2.0 if kind == "all_reduce" else 1.0
-        return self.link_latency + factor * (n - 1) / n * nbytes / self.link_bandwidth[kind]
+        bus = (2.0 if kind == "all_reduce" else 1.0) * (n - 1) / n * nbytes
+        if kind in self.link_curve:
+            return _interpolate(self.link_curve[kind], bus)
+        return self.link_latency + bus / self.link_bandwidth[kind]
+
+
+def _interpolate(points: Sequence[tuple[float, float]], x: float) -> float:
+    """Piecewise-linear ``seconds(bus bytes)`` through ``points``, the first and last segments extended
+    (never below the smallest measured time: a collective costs at least its latency)."""
+    xs, ts = np.asarray([p[0] for p in points], float), np.asarray([p[1] for p in points], float)
+    i = int(np.clip(np.searchsorted(xs, x) - 1, 0, len(xs) - 2))
+    slope = (ts[i + 1] - ts[i]) / (xs[i + 1] - xs[i])
+    return float(max(ts[i] + slope * (x - xs[i]), ts[0] if x < xs[0] else 0.0, 1e-9))
 
 
 def _uniform(name: str, flops: float, mem_bw: float, link_bw: float, latency: float, mem: int) -> DeviceProfile:
@@ -102,6 +128,23 @@ _KIND_ALIASES = {
 
 CALIBRATION_SIZES: tuple[int, ...] = (2**16, 2**18, 2**20, 2**21, 2**23)
 """Per-device buffer bytes (64 KiB .. 8 MiB) at which `calibrate` times each collective."""
+MAX_CALIBRATION_BYTES = 2**26
+"""The largest per-device buffer `calibration_sizes` adds (64 MiB); bigger collectives extrapolate."""
+
+
+def calibration_sizes(max_bytes: int | None = None) -> tuple[int, ...]:
+    """`CALIBRATION_SIZES`, then 4x steps until one reaches ``max_bytes`` (at most `MAX_CALIBRATION_BYTES`):
+    the sizes at which to time collectives so that a model whose largest collective moves ``max_bytes`` per
+    device is priced by interpolation, not extrapolation.
+
+    Example:
+        >>> [s // 2**20 for s in calibration_sizes(20 * 2**20)[-2:]]
+        [8, 32]
+    """
+    sizes = list(CALIBRATION_SIZES)
+    while max_bytes is not None and sizes[-1] < min(max_bytes, MAX_CALIBRATION_BYTES):
+        sizes.append(min(sizes[-1] * 4, MAX_CALIBRATION_BYTES))
+    return tuple(sizes)
 
 
 def _median_seconds(fn: Callable[[], object], reps: int) -> float:
@@ -220,26 +263,34 @@ def calibrate(
     flops, mem_bw = 2 * m**3 / secs[0], 3 * 4 * k / secs[1]
     if n == 1:
         return DeviceProfile("cpu (measured)", flops, mem_bw, dict.fromkeys(COLLECTIVES, 1e12), 0.0)
-    bandwidth, latencies = {}, []
+    bandwidth, latencies, curves = {}, [], {}
     for i, (kind, (factor, _)) in enumerate(collectives.items()):
         timed = secs[2 + i * len(sizes) : 2 + (i + 1) * len(sizes)]
-        alpha, bw = fit_alpha_beta([factor * s * (n - 1) / n for s in sizes], timed)
+        bus = [factor * s * (n - 1) / n for s in sizes]
+        alpha, bw = fit_alpha_beta(bus, timed)
         bandwidth[kind] = bw
         latencies.append(alpha)
-    return DeviceProfile(f"{devices[0].platform} (measured)", flops, mem_bw, bandwidth, float(np.median(latencies)))
+        # a bigger buffer never takes less time: a dip is scheduling noise
+        curves[kind] = tuple(zip(bus, np.maximum.accumulate(timed).tolist(), strict=True))
+    name = f"{devices[0].platform} (measured)"
+    return DeviceProfile(name, flops, mem_bw, bandwidth, float(np.median(latencies)), link_curve=curves)
 
 
 @functools.cache
-def _calibrated(device_ids: tuple[int, ...]) -> DeviceProfile:
+def _calibrated(device_ids: tuple[int, ...], sizes: tuple[int, ...]) -> DeviceProfile:
     by_id = {d.id: d for d in jax.devices()}
-    return calibrate([by_id[i] for i in device_ids])
+    return calibrate([by_id[i] for i in device_ids], sizes=sizes)
 
 
 def device_profile(
-    devices: Sequence[jax.Device] | None = None, override: DeviceProfile | str | None = None
+    devices: Sequence[jax.Device] | None = None,
+    override: DeviceProfile | str | None = None,
+    *,
+    max_bytes: int | None = None,
 ) -> DeviceProfile:
     """The profile for ``devices``: ``override`` (a profile or a `PROFILES` key), the spec sheet for a known
-    accelerator kind, else a (cached) run-time calibration."""
+    accelerator kind, else a (cached) run-time calibration up to ``max_bytes`` per device (`calibration_sizes`;
+    pass the largest collective the model will issue, e.g. its gradient bytes)."""
     if isinstance(override, DeviceProfile):
         return override
     if isinstance(override, str):
@@ -253,4 +304,4 @@ def device_profile(
     for alias, name in _KIND_ALIASES.items():
         if alias in kind:
             return PROFILES[name]
-    return _calibrated(tuple(d.id for d in devices))
+    return _calibrated(tuple(d.id for d in devices), calibration_sizes(max_bytes))

@@ -15,10 +15,12 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import jax
+import numpy as np
 import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -131,6 +133,11 @@ def _uses_tensor(scored: Scored) -> bool:
     return any("tensor" in spec_axes(s) for s in specs)
 
 
+def gradient_bytes(work: Workload) -> int:
+    """Bytes of the full gradient: the largest collective a candidate issues (its combined reduction)."""
+    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(work.params))
+
+
 def search(
     work: Workload,
     tx: optax.GradientTransformation,
@@ -233,7 +240,7 @@ def plan_on_mesh(
     dp = sizes["data"] * sizes["fsdp"]
     batch = sample_batch if sample_batch is not None else jax.ShapeDtypeStruct((dp,), "float32")
     work = measure(abstract_params, model_state, apply_fn if sample_batch is not None else None, batch)
-    profile = device_profile(list(mesh.devices.flat), device_profile_)
+    profile = device_profile(list(mesh.devices.flat), device_profile_, max_bytes=gradient_bytes(work))
     budget = memory_budget if memory_budget is not None else profile.memory_bytes
     stages = [0] if dp == 1 else [0, 1, 2, 3]
     scored = search(work, tx, [Candidate(sizes, z) for z in stages], profile, rules=rules)
