@@ -6,7 +6,10 @@ Prints one JSON object on its last line (keys in /work/shared/BENCHMARKS.md):
   (``BatchSampler`` as sampler, ``batch_size=None``, a dataset indexing with ``index_select``) / from
   ``openhosti_jax.data.ArrayDataset``, both shuffled and placed as sharded global batches on 8 devices
   (goal >= 0.9). Also reported: the same with ``TensorDataset`` (list indexing, slow in torch) and with a
-  plain per-sample DataLoader (``__getitem__`` per sample + ``default_collate``).
+  plain per-sample DataLoader (``__getitem__`` per sample + ``default_collate``), and where the time goes, in
+  microseconds per batch: the DataLoader iterated bare (``dataloader_us``), the TorchLoader without a mesh
+  (``dataloader_us`` + the adapter's own cost, ``adapter_us``), the native source without placement
+  (``native_source_us``), and the placement on the mesh (``placement_us``, the same `to_global_batch` for both).
 Runs alternate A and B in one process and report medians.
 """
 
@@ -101,6 +104,14 @@ def loader_ratios(rounds: int = 5, batches: int = 40) -> dict[str, float]:
     torch_batched = lambda: torch_loader(fast)
     torch_tensor_dataset = lambda: torch_loader(dataset)
 
+    def dataloader_bare():
+        sampler = BatchSampler(RandomSampler(fast, generator=torch.Generator()), batch, drop_last=True)
+        return iter(DataLoader(fast, sampler=sampler, batch_size=None))
+
+    def torch_unplaced():
+        sampler = BatchSampler(RandomSampler(fast, generator=torch.Generator()), batch, drop_last=True)
+        return TorchLoader(DataLoader(fast, sampler=sampler, batch_size=None), names=("x", "y"), seed=1)
+
     def torch_per_sample():
         loader = DataLoader(dataset, batch_size=batch, shuffle=True, generator=torch.Generator(), drop_last=True)
         return TorchLoader(loader, names=("x", "y"), seed=1, mesh=mesh, spec=spec)
@@ -110,6 +121,9 @@ def loader_ratios(rounds: int = 5, batches: int = 40) -> dict[str, float]:
         "torch": torch_batched,
         "torch_tensor_dataset": torch_tensor_dataset,
         "torch_per_sample": torch_per_sample,
+        "dataloader_bare": dataloader_bare,
+        "torch_unplaced": torch_unplaced,
+        "native_unplaced": lambda: iter(ArrayDataset({"x": x, "y": y}, batch, seed=1)),
     }
     for make in makers.values():  # warm up compiles / caches
         consume(make())
@@ -123,6 +137,10 @@ def loader_ratios(rounds: int = 5, batches: int = 40) -> dict[str, float]:
         "torch_tensor_dataset_loader_over_native": med["torch_tensor_dataset"] / med["native"],
         "torch_per_sample_loader_over_native": med["torch_per_sample"] / med["native"],
         "native_batches_per_s": med["native"],
+        "dataloader_us": 1e6 / med["dataloader_bare"],
+        "adapter_us": 1e6 / med["torch_unplaced"] - 1e6 / med["dataloader_bare"],
+        "native_source_us": 1e6 / med["native_unplaced"],
+        "placement_us": 1e6 / med["native"] - 1e6 / med["native_unplaced"],
         "batch_mb": batch * width * 4 / 2**20,
     }
 
