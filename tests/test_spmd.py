@@ -1,10 +1,13 @@
 """@spmd: FSDP on 8 devices reproduces a 1-device run; FSDP argument bytes are a fraction of DP; bad batches."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from flax import nnx
 
-from openhosti_jax import MeshConfig, build_mesh
+from openhosti_jax import MeshConfig, build_mesh, create_train_state, spmd
 from openhosti_jax.errors import BatchError
 from openhosti_jax.models.gpt import GPTConfig
 from openhosti_jax.models.gpt_job import GPTJob, build_job
@@ -47,3 +50,49 @@ def test_batch_not_divisible_by_data_axes_is_a_typed_error():
     batch = {"tokens": next(data)["tokens"][:12]}
     with pytest.raises(BatchError, match="not divisible by the 8 data-parallel shards"):
         step(state, batch)
+
+
+class _MLP(nnx.Module):
+    def __init__(self, rngs):
+        self.up, self.down = nnx.Linear(32, 256, rngs=rngs), nnx.Linear(256, 32, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(jax.nn.relu(self.up(x)))
+
+
+def _mlp_step(state, x):
+    def loss(p):
+        return jnp.mean((state.apply_fn(p, x, model_state=state.model_state) - x) ** 2)
+
+    value, grads = jax.value_and_grad(loss)(state.params)
+    return state.apply_gradients(grads=grads), {"loss": value}
+
+
+def test_plan_auto_plans_from_the_first_batch_compiles_the_winner_and_trains_like_dp():
+    """@spmd(plan="auto") gives the planner the model, the batch and the step: activations are priced, the winner
+    is AOT-compiled, and the losses are those of plain data parallelism."""
+    mesh = build_mesh(MeshConfig(data=2, fsdp=4))
+    x = np.random.default_rng(0).normal(size=(64, 32)).astype(np.float32)
+    runs = {}
+    for strategy in ("auto", "dp"):
+        state, _ = create_train_state(lambda r: _MLP(nnx.Rngs(r)), optax.adam(1e-2), mesh, plan="dp")
+        step = spmd(_mlp_step, mesh=mesh, plan=strategy)
+        losses = []
+        for _ in range(3):
+            state, m = step(state, x)
+            losses.append(float(m["loss"]))
+        runs[strategy] = (losses, step.plan)
+    np.testing.assert_allclose(runs["auto"][0], runs["dp"][0], rtol=1e-5)
+    auto = runs["auto"][1]
+    assert auto.compiled_bytes is not None and auto.predicted_bytes is not None
+    assert not any("activations unknown" in n for n in auto.notes)
+    assert 0.5 < auto.predicted_bytes / auto.compiled_bytes < 2.0
+
+
+def test_plan_auto_says_when_the_model_cannot_take_the_batch():
+    mesh = build_mesh(MeshConfig(data=8))
+    state, _ = create_train_state(lambda r: _MLP(nnx.Rngs(r)), optax.sgd(0.1), mesh, plan="dp")
+    step = spmd(lambda s, b: _mlp_step(s, b["x"]), mesh=mesh, plan="auto")
+    _, m = step(state, {"x": np.ones((16, 32), np.float32)})
+    assert np.isfinite(float(m["loss"]))
+    assert any("activations unknown" in n for n in step.plan.notes)

@@ -112,7 +112,32 @@ class SpmdStep:
         self._retry = None
         self._agreed = False
 
-    def _resolve(self, state: TrainState) -> ShardingPlan:
+    def _auto_plan_kw(self, state: TrainState, batch: Any) -> dict[str, Any]:
+        """What ``plan="auto"`` gives the planner from the first call: the model, the real batch shapes, and this
+        step to AOT-compile the winner (keyword arguments given to `spmd` take precedence)."""
+        rows = jax.process_count()
+
+        def global_leaf(x: Any) -> jax.ShapeDtypeStruct:
+            shape = tuple(np.shape(x))
+            if not isinstance(x, jax.Array) and shape:  # a process-local numpy batch
+                shape = (shape[0] * rows, *shape[1:])
+            return jax.ShapeDtypeStruct(shape, jax.numpy.result_type(x))
+
+        sample = jax.tree.map(global_leaf, batch)
+        abstract = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)
+        model_state = abstract(state.model_state) if state.model_state is not None else None
+        kw: dict[str, Any] = {"sample_batch": sample, "model_state": model_state}
+        if state.apply_fn is not None:
+            try:  # activations and FLOPs come from apply_fn(params, batch): only if it takes the batch as given
+                jax.eval_shape(
+                    lambda p, b: state.apply_fn(p, b, model_state=model_state), abstract(state.params), sample
+                )
+                kw.update(apply_fn=state.apply_fn, step_fn=self.fn)
+            except Exception:  # noqa: BLE001 - e.g. a dict batch the model does not take: said in the plan's notes
+                pass
+        return {**kw, **self._plan_kw}
+
+    def _resolve(self, state: TrainState, batch: Any = None) -> ShardingPlan:
         if not isinstance(state, TrainState):
             raise StateError(
                 f"@spmd step expects an openhosti_jax.TrainState as first argument, found {type(state).__name__}; "
@@ -122,7 +147,15 @@ class SpmdStep:
             self.mesh = build_mesh()
         if self.plan is None:
             abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state.params)
-            self.plan = resolve_plan(self._strategy or "fsdp", abstract, state.tx, self.mesh, **self._plan_kw)
+            strategy = self._strategy or "fsdp"
+            kw = self._auto_plan_kw(state, batch) if strategy == "auto" and batch is not None else self._plan_kw
+            self.plan = resolve_plan(strategy, abstract, state.tx, self.mesh, **kw)
+            if strategy == "auto" and "apply_fn" not in kw:
+                note = (
+                    "activations unknown and winner not compiled: state.apply_fn(params, batch) does not take the "
+                    "batch as given; pass spmd(..., apply_fn=f) with f(params, batch, model_state=None)"
+                )
+                self.plan = dataclasses.replace(self.plan, notes=(*self.plan.notes, note))
         self.plan.check_mesh(self.mesh)
         if jax.process_count() > 1 and not self._agreed:
             from openhosti_jax.mesh.barrier import agree
@@ -137,7 +170,7 @@ class SpmdStep:
         return self.plan.num_microbatches if self.plan is not None else 1
 
     def _compiled_fn(self, state: TrainState, batch: Any, k: int | None = None) -> tuple[Callable, Any]:
-        plan = self._resolve(state)
+        plan = self._resolve(state, batch)
         k = k or plan.num_microbatches
         key = (jax.tree.structure(state), jax.tree.structure(batch), k)
         if key not in self._jitted:
