@@ -91,6 +91,26 @@ def test_probe_and_throttle_do_not_change_the_result(mesh4):
     assert seconds.shape == (4,) and np.isfinite(seconds).all() and (seconds > 0).all()
 
 
+def test_stall_throttle_slows_only_its_device_and_keeps_the_result(mesh4):
+    """A stalled device's local phase takes its stall on top of the work; the others' do not; the gradient is
+    the reference's."""
+    params, mbs = make_data(3)
+    rng = jax.random.key(0)
+    counts = (2, 2, 2, 2)
+    _, ref_g, _ = reference(params, mbs, rng)
+    stall = 0.05  # 2 microbatches x (3 - 1) x 50 ms = 0.2 s on device 2
+    step = make_balanced_grad_fn(
+        loss_fn, mesh4, capacity=4, throttle=Throttle.for_devices(4, {2: 3}, microbatch_seconds=stall)
+    )
+    buf = place_microbatches(mbs, counts, 4, mesh4)
+    (_, g, _), seconds = step.probe(params, buf, counts, rng)
+    assert_close(g, ref_g)
+    assert seconds[2] >= 2 * 2 * stall, seconds
+    assert max(seconds[[0, 1, 3]]) < 2 * stall, seconds  # nobody else waits for the stall
+    with pytest.raises(BalanceError, match="microbatch_seconds"):
+        Throttle((1, 2), microbatch_seconds=0.0)
+
+
 def test_mesh_with_other_axes_reduces_over_data_only():
     mesh = build_mesh(MeshConfig(data=4, fsdp=2))
     params, mbs = make_data(2)

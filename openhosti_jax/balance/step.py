@@ -34,6 +34,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import io_callback
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from openhosti_jax.balance.buffer import validate_counts
@@ -48,8 +49,12 @@ def _varying(x: Any, axis: str) -> Any:
     return jax.tree_util.tree_map(lambda a: jax.lax.pcast(a, axis, to="varying"), x)
 
 
-def _local_phase(loss_fn: LossFn, axis: str, params, buffer, counts, rng, extra):
-    """Per-device partial sums ``(loss_sum, n_real, grad_sum, sink)``, each with a leading axis of 1."""
+def _local_phase(loss_fn: LossFn, axis: str, stalls: bool, params, buffer, counts, rng, throttle):
+    """Per-device partial sums ``(loss_sum, n_real, grad_sum, sink)``, each with a leading axis of 1.
+
+    ``throttle``: None, or per data position the extra gradient evaluations (int) or, if ``stalls``, the
+    seconds of stall (float) per microbatch.
+    """
     i = jax.lax.axis_index(axis)
     n = counts[i]
     offset = jnp.cumsum(counts)[i] - n
@@ -64,8 +69,10 @@ def _local_phase(loss_fn: LossFn, axis: str, params, buffer, counts, rng, extra)
         loss_acc, n_acc, g_acc, sink = carry
         mb, key = one(j)
         (loss, n_real), g = grad_fn(params, mb, key)
-        if extra is not None:
-            sink = _extra_work(grad_fn, params, mb, key, extra[i], sink)
+        if throttle is not None and stalls:
+            sink = _stall(throttle[i], sink + loss.astype(jnp.float32) * 0)
+        elif throttle is not None:
+            sink = _extra_work(grad_fn, params, mb, key, throttle[i], sink)
         g_acc = jax.tree_util.tree_map(lambda a, b: a + b.astype(a.dtype), g_acc, g)
         return loss_acc + loss.astype(jnp.float32), n_acc + jnp.asarray(n_real, jnp.float32), g_acc, sink
 
@@ -84,6 +91,21 @@ def _extra_work(grad_fn, params, mb, key, repeats, sink):
         return s + loss.astype(jnp.float32) * 1e-30 + jnp.sum(jax.tree_util.tree_leaves(g)[0]) * 1e-30
 
     return jax.lax.fori_loop(0, repeats, again, sink)
+
+
+def _sleep(seconds: np.ndarray, _after: np.ndarray) -> np.ndarray:
+    if seconds > 0:
+        time.sleep(float(seconds))
+    return np.zeros((), np.float32)
+
+
+def _stall(seconds: jax.Array, sink: jax.Array) -> jax.Array:
+    """Block this device for ``seconds`` after ``sink`` is computed (a host callback; other devices run on).
+
+    Devices with nothing to stall skip the callback (a round trip through Python costs each device time).
+    """
+    call = lambda: sink + io_callback(_sleep, jax.ShapeDtypeStruct((), jnp.float32), seconds, sink, ordered=False)
+    return jax.lax.cond(seconds > 0, call, lambda: sink)
 
 
 class BalancedGradFn:
@@ -107,9 +129,14 @@ class BalancedGradFn:
             )
         self.throttle = throttle
         self._replicated = NamedSharding(mesh, PartitionSpec())
-        self._extra = None if throttle is None else jax.device_put(throttle.extra, self._replicated)
+        stalls = throttle is not None and throttle.stalls
+        if throttle is None:
+            self._extra = None
+        else:
+            per_position = throttle.stall_seconds if stalls else throttle.extra
+            self._extra = jax.device_put(per_position, self._replicated)
         rep, data = PartitionSpec(), PartitionSpec(axis)
-        local = partial(_local_phase, loss_fn, axis)
+        local = partial(_local_phase, loss_fn, axis, stalls)
         if throttle is None:
             local_fn, in_specs = (lambda p, b, c, r: local(p, b, c, r, None)), (rep, data, rep, rep)
         else:

@@ -1,14 +1,21 @@
 """`Throttle`: make chosen data-parallel devices (or every device of chosen processes) really slower.
 
-A throttled device recomputes each microbatch's gradient ``factor - 1`` extra times at a perturbed point and
-throws the result away, so its local phase costs ``factor`` times the real work (real FLOPs, not a sleep).
-The result never touches the gradient. Used by the tests and benchmarks to emulate thermal throttling or a
-competing process; the balanced step takes it as a runtime input, so changing it does not recompile.
+Two kinds of slowness, for tests and benchmarks (the balanced step takes either as a runtime input, so changing
+the factors does not recompile; neither ever touches the gradient):
+
+* work (default): a throttled device recomputes each microbatch's gradient ``factor - 1`` extra times at a
+  perturbed point and throws the result away: ``factor`` times the real FLOPs. Like a competing process, it
+  takes core time from every device that shares the cores (all simulated CPU devices do).
+* stall (``microbatch_seconds`` given): after each microbatch a throttled device blocks for
+  ``(factor - 1) * microbatch_seconds`` in a host callback, leaving the cores to the others. Like a throttled
+  accelerator: it is slower by ``factor`` without slowing its peers.
 
 Example:
     >>> from openhosti_jax.balance import Throttle
     >>> Throttle.for_devices(4, {3: 2}).factors
     (1, 1, 1, 2)
+    >>> Throttle.for_devices(4, {3: 2}, microbatch_seconds=0.01).stall_seconds.tolist()
+    [0.0, 0.0, 0.0, 0.009999999776482582]
 """
 
 from __future__ import annotations
@@ -27,7 +34,10 @@ class Throttle:
     """Per data-parallel position work multiplier (an integer >= 1; 1 = unthrottled)."""
 
     factors: tuple[int, ...]
-    """``factors[i]``: how many gradient evaluations device ``i`` of the data axis does per microbatch."""
+    """``factors[i]``: how many microbatches' worth of time device ``i`` of the data axis takes per microbatch."""
+    microbatch_seconds: float | None = None
+    """None: the extra time is real work. A float: the unthrottled seconds of one microbatch; the extra time is
+    a stall of ``(factor - 1)`` times it (measure it on the real step, e.g. with `BalancedGradFn.probe`)."""
 
     def __post_init__(self) -> None:
         ok = lambda f: isinstance(f, int) and not isinstance(f, bool) and f >= 1
@@ -37,19 +47,27 @@ class Throttle:
                 f"expected Throttle.factors to be a non-empty tuple of ints >= 1, found {self.factors!r} "
                 f"(bad entries {bad}); use 1 for an unthrottled device, 2 for twice the work"
             )
+        mb = self.microbatch_seconds
+        if mb is not None and (isinstance(mb, bool) or not isinstance(mb, int | float) or not 0 < mb < 3600):
+            raise BalanceError(
+                f"expected Throttle.microbatch_seconds to be None (real extra work) or seconds in (0, 3600), "
+                f"found {mb!r}; measure one unthrottled microbatch and pass its time"
+            )
 
     @staticmethod
-    def for_devices(size: int, factors: Mapping[int, int]) -> Throttle:
+    def for_devices(size: int, factors: Mapping[int, int], microbatch_seconds: float | None = None) -> Throttle:
         """Throttle positions ``factors`` keys (0-based along the data axis of ``size`` devices)."""
         out = [1] * size
         for pos, f in factors.items():
             if not 0 <= pos < size:
                 raise BalanceError(f"throttled position {pos} is outside the data axis of size {size}")
             out[pos] = f
-        return Throttle(tuple(out))
+        return Throttle(tuple(out), microbatch_seconds)
 
     @staticmethod
-    def for_processes(mesh: Mesh, axis: str, factors: Mapping[int, int]) -> Throttle:
+    def for_processes(
+        mesh: Mesh, axis: str, factors: Mapping[int, int], microbatch_seconds: float | None = None
+    ) -> Throttle:
         """Throttle every data-axis position whose devices belong to one of the processes in ``factors``."""
         owners = data_axis_processes(mesh, axis)
         unknown = set(factors) - set(owners)
@@ -57,12 +75,24 @@ class Throttle:
             raise BalanceError(
                 f"processes {sorted(unknown)} own no device of mesh axis {axis!r} (owners: {sorted(set(owners))})"
             )
-        return Throttle(tuple(factors.get(p, 1) for p in owners))
+        return Throttle(tuple(factors.get(p, 1) for p in owners), microbatch_seconds)
+
+    @property
+    def stalls(self) -> bool:
+        """Whether the extra time is a stall (else real work)."""
+        return self.microbatch_seconds is not None
 
     @property
     def extra(self) -> np.ndarray:
-        """Extra gradient evaluations per microbatch, one per data position (int32)."""
-        return np.asarray(self.factors, np.int32) - 1
+        """Extra gradient evaluations per microbatch, one per data position (int32; zeros when stalling)."""
+        return np.zeros(len(self.factors), np.int32) if self.stalls else np.asarray(self.factors, np.int32) - 1
+
+    @property
+    def stall_seconds(self) -> np.ndarray:
+        """Seconds of stall per microbatch, one per data position (float32; zeros for real-work throttles)."""
+        if not self.stalls:
+            return np.zeros(len(self.factors), np.float32)
+        return (np.asarray(self.factors, np.float32) - 1) * np.float32(self.microbatch_seconds)
 
 
 def data_axis_processes(mesh: Mesh, axis: str) -> tuple[int, ...]:
