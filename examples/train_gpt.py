@@ -16,7 +16,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=200, help="optimizer steps (default 200)")
     parser.add_argument("--batch", type=int, default=32, help="global batch in sequences (default 32)")
-    parser.add_argument("--plan", default="fsdp", help="fsdp | dp | zero1 | zero2 | auto (default fsdp)")
+    parser.add_argument(
+        "--plan", default="auto", help="auto (the planner picks mesh and ZeRO stage) | fsdp | dp | zero1 | zero2"
+    )
     parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices (default 8)")
     parser.add_argument("--run-dir", default="runs/gpt", help="metrics.jsonl and checkpoints/ go here")
     parser.add_argument("--checkpoint-every", type=int, default=50, help="also save every N steps (default 50)")

@@ -1,5 +1,7 @@
 """@spmd: FSDP on 8 devices reproduces a 1-device run; FSDP argument bytes are a fraction of DP; bad batches."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -96,3 +98,16 @@ def test_plan_auto_says_when_the_model_cannot_take_the_batch():
     _, m = step(state, {"x": np.ones((16, 32), np.float32)})
     assert np.isfinite(float(m["loss"]))
     assert any("activations unknown" in n for n in step.plan.notes)
+
+
+def test_gpt_job_auto_plans_mesh_and_stage_verifies_and_trains_like_dp():
+    """The demo job's plan="auto": the planner's mesh over all 8 devices, its compiled bytes recorded, and the
+    same losses as data parallelism."""
+    state, plan, step, data = build_job(GPTJob(**{**JOB.__dict__, "plan": "auto"}))
+    assert math.prod(plan.mesh_shape.values()) == 8 and plan.compiled_bytes is not None
+    auto = []
+    for _ in range(3):
+        state, m = step(state, next(data))
+        auto.append(float(m["loss"]))
+    dp, _ = _train("dp", build_mesh(MeshConfig(data=8)), 3)
+    np.testing.assert_allclose(auto, dp, rtol=1e-5)

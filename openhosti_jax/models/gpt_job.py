@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
 from jax.sharding import Mesh
@@ -25,6 +26,7 @@ from openhosti_jax.errors import StateError
 from openhosti_jax.mesh import MeshConfig, build_mesh
 from openhosti_jax.microbatch import make_train_step
 from openhosti_jax.models.gpt import GPT, GPTConfig, make_corpus, next_token_loss
+from openhosti_jax.planner.auto import plan as plan_sharding
 from openhosti_jax.planner.plan import ShardingPlan
 from openhosti_jax.state import TrainState, create_train_state
 from openhosti_jax.train import FitResult, Trainer, spmd
@@ -45,9 +47,10 @@ class GPTJob:
     learning_rate: float = 3e-3
     """Adam learning rate."""
     plan: str | int = "fsdp"
-    """Sharding strategy: "fsdp", "dp", "zero1", "zero2", "auto" or a ZeRO stage."""
+    """Sharding strategy: "fsdp", "dp", "zero1", "zero2", a ZeRO stage, or "auto": the planner chooses the mesh
+    shape and ZeRO stage (`openhosti_jax.plan`, the winner AOT-compiled) and ``mesh`` is not used."""
     mesh: MeshConfig = dataclasses.field(default_factory=lambda: MeshConfig(data=1, fsdp=-1))
-    """Mesh axis sizes."""
+    """Mesh axis sizes (for a named strategy)."""
     seed: int = 0
     """Seeds init, data order and dropout."""
     metrics_path: str | None = None
@@ -86,10 +89,20 @@ def gpt_train_step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[Trai
 
 
 def build_job(job: GPTJob, mesh: Mesh | None = None) -> tuple[TrainState, ShardingPlan, Any, ArrayDataset]:
-    """(sharded state, plan, the @spmd step, the data iterator) for ``job``."""
-    mesh = mesh or build_mesh(job.mesh)
+    """(sharded state, plan, the @spmd step, the data iterator) for ``job``.
+
+    With ``job.plan == "auto"`` and no ``mesh`` the planner searches mesh shapes x ZeRO stages for all devices;
+    with a ``mesh`` it chooses the ZeRO stage on that mesh.
+    """
     tx = optax.adam(job.learning_rate)
-    state, plan = create_train_state(lambda r: GPT(job.model, rngs=nnx.Rngs(r)), tx, mesh, plan=job.plan, seed=job.seed)
+    init_fn = lambda r: GPT(job.model, rngs=nnx.Rngs(r))
+    strategy: str | int | ShardingPlan = job.plan
+    if job.plan == "auto" and mesh is None:
+        tokens = jax.ShapeDtypeStruct((job.global_batch, job.model.seq_len), jnp.int32)
+        strategy = plan_sharding(init_fn, tx, tokens, step_fn=lambda s, t: gpt_train_step(s, {"tokens": t}))
+        mesh = build_mesh(MeshConfig.from_sizes(dict(strategy.mesh_shape)))
+    mesh = mesh or build_mesh(job.mesh)
+    state, plan = create_train_state(init_fn, tx, mesh, plan=strategy, seed=job.seed)
     step = spmd(gpt_train_step, mesh=mesh, plan=plan)
     corpus = make_corpus(job.num_sequences, job.model.seq_len, seed=job.seed)
     data = ArrayDataset({"tokens": corpus}, job.global_batch, seed=job.seed)

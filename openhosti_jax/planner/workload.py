@@ -138,9 +138,9 @@ def _abstract_state(state: Any) -> Any:
 
 
 def _nnx_apply(graphdef: Any) -> ApplyFn:
-    def apply(params: Any, batch: Any, model_state: Any = None) -> Any:
+    def apply(params: Any, batch: Any, *args: Any, model_state: Any = None, **kwargs: Any) -> Any:
         module = nnx.merge(graphdef, params, model_state) if model_state is not None else nnx.merge(graphdef, params)
-        return module(batch)
+        return module(batch, *args, **kwargs)
 
     return apply
 
