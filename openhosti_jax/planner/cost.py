@@ -1,9 +1,10 @@
 """The analytic cost model: per-device memory and per-step time of a `ShardingPlan` for a `Workload`.
 
-Memory (bytes per device): parameters + optimizer state as sharded, the local batch, and the step's temporaries:
-``max(saved activations, live gradients)`` (XLA reuses freed activation buffers for gradients; under ZeRO-2/3
-only the sharded gradients plus one unreduced leaf are live) plus,
-under ZeRO-3, the gathered copy of the parameters. Time (seconds, no overlap assumed): matmul FLOPs / peak,
+Memory (bytes per device): parameters + optimizer state as sharded, the local batch, and the step's temporaries,
+the larger of two peaks: the backward's start (every saved activation, the loss's included, the largest
+gradient leaf, and under ZeRO-3 the gathered full copy of each sharded leaf) and the gradient reduction (XLA's
+combiner makes it one collective whose full input and output are both live; a native reduce-scatter's output is
+the sharded gradient). Time (seconds, no overlap assumed): matmul FLOPs / peak,
 activation and optimizer-update bytes / memory bandwidth, and every collective priced per leaf by the profile's
 alpha-beta model (all-reduce 2(n-1)/n, all-gather and reduce-scatter (n-1)/n of the bytes over the bandwidth).
 Gradient reductions pay one latency per kind and group: XLA's all-reduce / reduce-scatter combiners merge them
@@ -49,6 +50,9 @@ class Estimate:
     """Seconds per step by part: compute, memory, collectives, total."""
     comm_bytes: float
     """Bytes each device sends per step (bus traffic of every collective)."""
+    tensor_cuts: int = 0
+    """Reshapes that cut the tensor-split dim into parts the axis does not divide (e.g. fewer attention heads
+    than the tensor axis); a usable tensor split has none."""
 
     @property
     def bytes(self) -> int:
@@ -109,18 +113,24 @@ def estimate(
 
     param_local = sum(_local(x.shape, x.dtype, s, sizes) for x, s in zip(params, p_specs, strict=True))
     opt_local = sum(_local(x.shape, x.dtype, s, sizes) for x, s in zip(opt, o_specs, strict=True))
-    grads_full = sum(_local(x.shape, x.dtype, s, sizes) for x, s in zip(params, base, strict=True))
-    gathered = grads_full - param_local
-    act_per_example, split_share, reshard = work.tensor_split(tuple(_tensor_dim(bs) for bs in base), t)
+    grad_full = [_local(x.shape, x.dtype, bs, sizes) for x, bs in zip(params, base, strict=True)]
+    grads_full = sum(grad_full)
+    # ZeRO-3 gathers a full copy of each sharded leaf for its use (the local shard stays in the arguments)
+    gathered = sum(g for g, ps, bs in zip(grad_full, p_specs, base, strict=True) if spec_axes(ps) != spec_axes(bs))
+    act_per_example, split_share, reshard, cuts = work.tensor_split(tuple(_tensor_dim(bs) for bs in base), t)
     act = act_per_example * b_local
     batch = sum(_nbytes(x.shape, x.dtype) for x in jax.tree.leaves(work.batch)) / dp
     state = (param_local + opt_local) / stages
-    if plan.zero_stage >= 2:  # reduce-scattered leaf by leaf: one full local gradient alive at a time
-        largest = max((_local(x.shape, x.dtype, bs, sizes) for x, bs in zip(params, base, strict=True)), default=0)
-        grads_live = sum(_local(x.shape, x.dtype, s, sizes) for x, s in zip(params, g_specs, strict=True)) + largest
-    else:
-        grads_live = grads_full
-    temp = (max(act, grads_live) + gathered) / stages
+    # Two peaks: the backward's start (every residual, the gathered parameters and the first, largest gradient
+    # leaf) and the gradient reduction (one combined collective: its full input and its output both live).
+    grads_out = sum(_local(x.shape, x.dtype, s, sizes) for x, s in zip(params, g_specs, strict=True))
+    if dp == 1:
+        reduction = grads_full
+    elif plan.zero_stage >= 2 and profile.native_reduce_scatter:
+        reduction = grads_full + grads_out
+    else:  # all-reduced (on CPU also under ZeRO-2/3: an all-reduce and a slice)
+        reduction = 2 * grads_full
+    temp = max(act + gathered + max(grad_full, default=0), reduction) / stages
     memory = {"state": state, "batch": batch, "temporaries": temp, "total": state + batch + temp}
 
     comm_s, comm_b = 0.0, 0.0
@@ -166,4 +176,4 @@ def estimate(
     bubble = 1.0 + (stages - 1) / max(plan.num_microbatches, stages) if stages > 1 else 1.0
     total = (compute + bandwidth) / stages * bubble + comm_s
     time = {"compute": compute, "memory": bandwidth, "collectives": comm_s, "total": total}
-    return Estimate(memory, time, comm_b)
+    return Estimate(memory, time, comm_b, cuts)

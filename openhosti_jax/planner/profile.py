@@ -55,6 +55,9 @@ class DeviceProfile:
     """Collective kind -> measured ``(bus bytes, seconds)`` points, sizes ascending, times non-decreasing.
     Where given, it prices that collective by piecewise-linear interpolation, each end segment extended;
     empty (spec-sheet profiles): the alpha-beta line."""
+    native_reduce_scatter: bool = True
+    """Whether a sharded gradient is reduce-scattered in place. XLA's CPU backend lowers GSPMD's reduce-scatter
+    as a full all-reduce and a slice, so the full gradient is live twice (its input and output), as under ZeRO-0."""
 
     def __post_init__(self) -> None:
         problems = [
@@ -261,8 +264,16 @@ def calibrate(
     sync = on_all(lambda a: jax.lax.psum(a, "d"), (1,)) if jax.process_count() > 1 else None
     secs = _agreed_seconds(_alternated_medians(kernels, reps, sync))
     flops, mem_bw = 2 * m**3 / secs[0], 3 * 4 * k / secs[1]
+    native_rs = devices[0].platform != "cpu"
     if n == 1:
-        return DeviceProfile("cpu (measured)", flops, mem_bw, dict.fromkeys(COLLECTIVES, 1e12), 0.0)
+        return DeviceProfile(
+            f"{devices[0].platform} (measured)",
+            flops,
+            mem_bw,
+            dict.fromkeys(COLLECTIVES, 1e12),
+            0.0,
+            native_reduce_scatter=native_rs,
+        )
     bandwidth, latencies, curves = {}, [], {}
     for i, (kind, (factor, _)) in enumerate(collectives.items()):
         timed = secs[2 + i * len(sizes) : 2 + (i + 1) * len(sizes)]
@@ -273,7 +284,15 @@ def calibrate(
         # a bigger buffer never takes less time: a dip is scheduling noise
         curves[kind] = tuple(zip(bus, np.maximum.accumulate(timed).tolist(), strict=True))
     name = f"{devices[0].platform} (measured)"
-    return DeviceProfile(name, flops, mem_bw, bandwidth, float(np.median(latencies)), link_curve=curves)
+    return DeviceProfile(
+        name,
+        flops,
+        mem_bw,
+        bandwidth,
+        float(np.median(latencies)),
+        link_curve=curves,
+        native_reduce_scatter=native_rs,
+    )
 
 
 @functools.cache

@@ -12,16 +12,16 @@ Example:
     >>> from openhosti_jax.planner.propagate import propagate
     >>> f = lambda w, x: jnp.tanh(x @ w)
     >>> j = jax.make_jaxpr(f)(jnp.ones((4, 8)), jnp.ones((2, 4)))
-    >>> dims, split_flops, resharded = propagate(j.jaxpr, [1, None], 2)
-    >>> dims[j.jaxpr.outvars[0]], split_flops, resharded  # column-parallel: output features split, matmul split
-    (1, 128.0, 0.0)
+    >>> dims, split_flops, resharded, cut = propagate(j.jaxpr, [1, None], 2)
+    >>> dims[j.jaxpr.outvars[0]], split_flops, resharded, cut  # column-parallel: output features split, matmul split
+    (1, 128.0, 0.0, 0)
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from jax.extend.core import Literal
 
@@ -110,15 +110,27 @@ def dot_flops(eqn: Any) -> float:
     return 2.0 * k * math.prod(eqn.outvars[0].aval.shape)
 
 
-def propagate(jaxpr: Any, in_dims: Sequence[Dim], t: int) -> tuple[dict[Any, Dim], float, float]:
-    """(marked dim of every value, FLOPs of the matmuls computed split, bytes resharded) for ``jaxpr`` with
-    ``in_dims`` on its invars and a tensor axis of size ``t``.
+class Propagation(NamedTuple):
+    """What a tensor split does to a jaxpr."""
+
+    dims: dict[Any, Dim]
+    """Marked dim of every value."""
+    split_flops: float
+    """FLOPs of the matmuls computed split."""
+    resharded: float
+    """Bytes of values whose mark an op cannot carry (gathered whole)."""
+    cut_reshapes: int
+    """Reshapes that cut a split dim into parts ``t`` does not divide (e.g. fewer attention heads than ``t``)."""
+
+
+def propagate(jaxpr: Any, in_dims: Sequence[Dim], t: int) -> Propagation:
+    """How a tensor axis of size ``t`` splits ``jaxpr`` with ``in_dims`` marked on its invars.
 
     A value whose mark an op cannot carry (e.g. a reshape to heads that ``t`` does not divide) must be gathered
     whole: its full bytes count as resharded (XLA inserts all-gathers / all-to-alls there). Reductions over the
     marked dim are not counted (their small partial results are all-reduced)."""
     dims: dict[Any, Dim] = dict(zip(jaxpr.invars, in_dims, strict=True))
-    splits, reshard = 0.0, 0.0
+    splits, reshard, cut = 0.0, 0.0, 0
 
     def get(v: Any) -> Dim:
         return None if isinstance(v, Literal) else dims.get(v)
@@ -127,8 +139,8 @@ def propagate(jaxpr: Any, in_dims: Sequence[Dim], t: int) -> tuple[dict[Any, Dim
         ins = [get(v) for v in eqn.invars]
         sub = _sub_jaxpr(eqn)
         if sub is not None:
-            inner, n, r = propagate(sub, ins, t)
-            splits, reshard = splits + n, reshard + r
+            inner, n, r, c = propagate(sub, ins, t)
+            splits, reshard, cut = splits + n, reshard + r, cut + c
             for o, io in zip(eqn.outvars, sub.outvars, strict=True):
                 dims[o] = None if isinstance(io, Literal) else inner.get(io)
             continue
@@ -144,4 +156,5 @@ def propagate(jaxpr: Any, in_dims: Sequence[Dim], t: int) -> tuple[dict[Any, Dim
         if all(dims[o] is None for o in eqn.outvars) and not eqn.primitive.name.startswith(("reduce_", "arg")):
             marked = next(v for v, d in zip(eqn.invars, ins, strict=True) if d is not None)
             reshard += math.prod(marked.aval.shape) * marked.aval.dtype.itemsize
-    return dims, splits, reshard
+            cut += eqn.primitive.name == "reshape"
+    return Propagation(dims, splits, reshard, cut)

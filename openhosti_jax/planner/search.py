@@ -145,7 +145,8 @@ def search(
     profile: DeviceProfile,
     **kw: Any,
 ) -> list[Scored]:
-    """Score every candidate whose data-parallel size divides the batch (and whose tensor axis is used)."""
+    """Score every candidate whose data-parallel size divides the batch and whose tensor axis, if any, is used
+    and divides what it splits (as Megatron needs the heads divisible by the tensor-parallel size)."""
     out, sharded = [], {}
     for c in sorted(candidates, key=lambda c: -c.zero_stage):  # stage 3 first: its specs serve 1 and 2
         dp = c.mesh_shape["data"] * c.mesh_shape["fsdp"]
@@ -155,7 +156,7 @@ def search(
         s = score(work, tx, c, profile, sharded_specs=sharded.get(group), **kw)
         if c.zero_stage == 3:
             sharded[group] = s.plan.param_specs
-        if c.mesh_shape["tensor"] > 1 and not _uses_tensor(s):
+        if c.mesh_shape["tensor"] > 1 and (not _uses_tensor(s) or s.estimate.tensor_cuts):
             continue
         out.append(s)
     order = {id(c): i for i, c in enumerate(candidates)}

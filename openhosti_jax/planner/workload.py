@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -58,7 +58,7 @@ class Workload:
     flops_per_example: float
     """Training FLOPs (forward + backward = 3 x forward matmul FLOPs) per example."""
     activation_bytes_per_example: float
-    """Materialised saved activations per example."""
+    """Materialised saved activations per example, the loss's (twice the outputs) included."""
     tokens_per_example: int
     """Positions per example (product of the output's middle dims), for tensor-parallel all-reduce sizes."""
     activation_itemsize: int = 4
@@ -67,6 +67,8 @@ class Workload:
     """The forward + VJP jaxpr at batch size 1 (parameters first, then the batch), when an apply_fn is known."""
     residuals: tuple[Any, ...] = ()
     """The per-example residuals of ``jaxpr`` counted in ``activation_bytes_per_example``."""
+    outputs: tuple[Any, ...] = ()
+    """The model's outputs among ``jaxpr``'s outvars (the loss on them adds their cotangent and one residual)."""
     _split_cache: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     def opt_state(self, tx: Any) -> Any:
@@ -76,20 +78,33 @@ class Workload:
             self._split_cache[key] = (tx, jax.eval_shape(tx.init, self.params))
         return self._split_cache[key][1]
 
-    def tensor_split(self, param_dims: tuple[int | None, ...], t: int) -> tuple[float, float, float]:
-        """(per-example activation bytes per device, fraction of matmul FLOPs computed split, per-example bytes
-        resharded) when parameter leaf ``i`` is split over a tensor axis of size ``t`` along dim
-        ``param_dims[i]`` (None: replicated)."""
+    def tensor_split(self, param_dims: tuple[int | None, ...], t: int) -> TensorSplit:
+        """What splitting parameter leaf ``i`` over a tensor axis of size ``t`` along dim ``param_dims[i]``
+        (None: replicated) does to the activations and matmuls."""
         if self.jaxpr is None or t <= 1 or all(d is None for d in param_dims):
-            return self.activation_bytes_per_example, 0.0, 0.0
+            return TensorSplit(self.activation_bytes_per_example, 0.0, 0.0, 0)
         key = (param_dims, t)
         if key not in self._split_cache:
             in_dims = list(param_dims) + [None] * (len(self.jaxpr.invars) - len(param_dims))
-            dims, split_flops, reshard = propagate(self.jaxpr, in_dims, t)
-            act = sum(_nbytes(v) / (t if dims.get(v) is not None else 1) for v in self.residuals)
+            dims, split_flops, reshard, cut = propagate(self.jaxpr, in_dims, t)
+            kept = self.residuals + self.outputs + self.outputs
+            act = sum(_nbytes(v) / (t if dims.get(v) is not None else 1) for v in kept)
             total = _dot_flops(self.jaxpr)
-            self._split_cache[key] = (act, split_flops / total if total else 0.0, reshard)
+            self._split_cache[key] = TensorSplit(act, split_flops / total if total else 0.0, reshard, cut)
         return self._split_cache[key]
+
+
+class TensorSplit(NamedTuple):
+    """A tensor split's effect on one example (`Workload.tensor_split`)."""
+
+    activation_bytes: float
+    """Activation bytes per example per device."""
+    split_share: float
+    """Fraction of matmul FLOPs computed split."""
+    resharded: float
+    """Bytes per example gathered forward and reduce-scattered backward (marks the ops cannot carry)."""
+    cut_reshapes: int
+    """Reshapes that cut the split dim into parts the axis does not divide (e.g. heads): the split is unusable."""
 
 
 def _abstract(x: Any) -> Any:
@@ -204,17 +219,31 @@ def measure(params: Any, model_state: Any, apply_fn: ApplyFn | None, batch: Any)
     plain = unbox(params)
 
     def fwd(p: Any, x: Any) -> Any:
-        return jax.tree.leaves(jax.vjp(lambda q: apply_fn(q, x, model_state=model_state), p))
+        out, vjp = jax.vjp(lambda q: apply_fn(q, x, model_state=model_state), p)
+        return out, jax.tree.leaves(vjp)
 
-    one = jax.make_jaxpr(fwd)(plain, _resize(batch, 1))
+    one, shapes = jax.make_jaxpr(fwd, return_shape=True)(plain, _resize(batch, 1))
     n_params = len(jax.tree.leaves(plain))
     residuals = _per_example_residuals(one.jaxpr, n_params)
+    # the loss on the outputs keeps one output-sized residual (e.g. softmax) and makes the outputs' cotangent
+    outputs = tuple(v for v in one.jaxpr.outvars[: len(jax.tree.leaves(shapes[0]))] if not isinstance(v, Literal))
     first = one.out_avals[0]
     tokens = math.prod(first.shape[1:-1]) if first.ndim >= 3 else 1
     flops = 3.0 * _dot_flops(one.jaxpr)
-    act = sum(_nbytes(v) for v in residuals)
+    act = sum(_nbytes(v) for v in residuals) + 2 * sum(_nbytes(v) for v in outputs)
     return Workload(
-        params, model_state, apply_fn, batch, n, flops, act, tokens, first.dtype.itemsize, one.jaxpr, residuals
+        params,
+        model_state,
+        apply_fn,
+        batch,
+        n,
+        flops,
+        act,
+        tokens,
+        first.dtype.itemsize,
+        one.jaxpr,
+        residuals,
+        outputs,
     )
 
 
