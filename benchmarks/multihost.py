@@ -11,7 +11,8 @@ Every run goes through `launch_local` (127.0.0.1, gloo collectives).
   setting as the planner calibrates for a model whose gradient is TOP bytes (`calibration_sizes(TOP)`: 64 KiB
   .. 8 MiB, then 32 MiB; alternated, medians); its predictions for all-reduces of OFF_LADDER sizes (3, 12 and
   24 MiB, none a calibration point, so they test the interpolation) are compared with medians measured right
-  after, alternated. Per size the ratio is the median over rounds; the headline is the size farthest from 1.
+  after, alternated (each a program of its own, so predicted = the profile's launch + the all-reduce). Per size
+  the ratio is the median over rounds; the headline is the size farthest from 1.
   A detail: the default calibration (up to 8 MiB) extrapolating to 32 MiB, what the model does beyond its data.
 
 The last line printed is one JSON object with the keys of BENCHMARKS.md (multihost.py) and details.
@@ -66,8 +67,14 @@ def allreduce_worker() -> None:
         rounds.append(
             {
                 "measured_s": measured[:-1],
-                "predicted_s": [profile.collective_seconds("all_reduce", b, n) for b in OFF_LADDER],
-                "top_extrapolated_over_measured": short.collective_seconds("all_reduce", TOP, n) / measured[-1],
+                # each measured all-reduce is a program of its own: one launch + the collective
+                "predicted_s": [
+                    profile.launch_seconds + profile.collective_seconds("all_reduce", b, n) for b in OFF_LADDER
+                ],
+                "top_extrapolated_over_measured": (
+                    short.launch_seconds + short.collective_seconds("all_reduce", TOP, n)
+                )
+                / measured[-1],
                 "curve": profile.link_curve["all_reduce"],
             }
         )

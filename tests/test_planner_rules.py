@@ -5,12 +5,21 @@ import dataclasses
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from openhosti_jax.errors import PlanningError
-from openhosti_jax.planner.profile import CALIBRATION_SIZES, MAX_CALIBRATION_BYTES, PROFILES, calibration_sizes
+from openhosti_jax.planner.profile import (
+    CALIBRATION_SIZES,
+    MAX_CALIBRATION_BYTES,
+    PROFILES,
+    _alternated_medians,
+    calibrate,
+    calibration_sizes,
+)
 from openhosti_jax.planner.rules import DEFAULT_RULES, logical_names, logical_spec
 from openhosti_jax.planner.tensor import base_specs
 
@@ -90,3 +99,26 @@ def test_calibration_sizes_reach_the_largest_collective():
     assert calibration_sizes(2**20) == CALIBRATION_SIZES
     assert calibration_sizes(20 * 2**20)[-1] == 32 * 2**20
     assert calibration_sizes(2**40)[-1] == MAX_CALIBRATION_BYTES
+
+
+@pytest.mark.timeout(120)
+def test_calibration_prices_a_collective_as_one_op_inside_a_step():
+    """Each calibration kernel runs as its own program; its launch is measured and subtracted, so that K
+    collectives inside one step cost one launch + K collectives (not K launches)."""
+    devices = jax.devices()
+    p = calibrate(devices, reps=5, sizes=(2**16, 2**18))
+    assert p.launch_seconds > 0
+    k, n, nbytes = 16, len(devices), 2**18
+    mesh = Mesh(np.asarray(devices, dtype=object), ("d",), axis_types=(AxisType.Explicit,))
+
+    def chain(a):
+        for _ in range(k):
+            a = jax.lax.psum(a, "d") * 0.5
+        return a
+
+    f = jax.jit(jax.shard_map(chain, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+    x = jax.device_put(np.ones((n, nbytes // 4), np.float32), NamedSharding(mesh, P("d")))
+    (measured,) = _alternated_medians([lambda: f(x)], 9)
+    per_op = p.collective_seconds("all_reduce", nbytes, n)
+    in_step, per_program = p.launch_seconds + k * per_op, k * (per_op + p.launch_seconds)
+    assert abs(in_step - measured) < abs(per_program - measured), (measured, in_step, per_program)

@@ -47,7 +47,7 @@ class Estimate:
     memory: dict[str, float]
     """Bytes per device by part: state, batch, temporaries, total."""
     time: dict[str, float]
-    """Seconds per step by part: compute, memory, collectives, total."""
+    """Seconds per step by part: compute, memory, collectives, launch (the program's fixed cost), total."""
     comm_bytes: float
     """Bytes each device sends per step (bus traffic of every collective)."""
     tensor_cuts: int = 0
@@ -174,6 +174,12 @@ def estimate(
     compute = flops / profile.peak_flops
     bandwidth = mem_bytes / profile.memory_bandwidth
     bubble = 1.0 + (stages - 1) / max(plan.num_microbatches, stages) if stages > 1 else 1.0
-    total = (compute + bandwidth) / stages * bubble + comm_s
-    time = {"compute": compute, "memory": bandwidth, "collectives": comm_s, "total": total}
+    total = (compute + bandwidth) / stages * bubble + comm_s + profile.launch_seconds
+    time = {
+        "compute": compute,
+        "memory": bandwidth,
+        "collectives": comm_s,
+        "launch": profile.launch_seconds,
+        "total": total,
+    }
     return Estimate(memory, time, comm_b, cuts)

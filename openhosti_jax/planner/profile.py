@@ -55,6 +55,9 @@ class DeviceProfile:
     """Collective kind -> measured ``(bus bytes, seconds)`` points, sizes ascending, times non-decreasing.
     Where given, it prices that collective by piecewise-linear interpolation, each end segment extended;
     empty (spec-sheet profiles): the alpha-beta line."""
+    launch_seconds: float = 0.0
+    """Seconds a program takes to start and finish on all devices, paid once per step: a calibration times each
+    kernel as a program of its own and subtracts this, so a collective is priced as one op inside the step."""
     native_reduce_scatter: bool = True
     """Whether a sharded gradient is reduce-scattered in place. XLA's CPU backend lowers GSPMD's reduce-scatter
     as a full all-reduce and a slice, so the full gradient is live twice (its input and output), as under ZeRO-0."""
@@ -76,6 +79,8 @@ class DeviceProfile:
                     f"link_curve[{kind!r}] must be >= 2 (bus bytes, seconds) points of a kind in {COLLECTIVES}, "
                     f"sizes increasing and times non-decreasing; found {points}"
                 )
+        if self.launch_seconds < 0:
+            problems.append(f"launch_seconds={self.launch_seconds!r} must be >= 0")
         if self.link_latency < 0:
             problems.append(f"link_latency={self.link_latency!r} must be >= 0")
         if problems:
@@ -252,7 +257,11 @@ def calibrate(
         return lambda: g(*xs)
 
     m, k = 512, 2**20
-    kernels = [on_all(lambda a, b: a @ b, (m, m), (m, m)), on_all(lambda a, b: a * 1.5 + b, (k,), (k,))]
+    kernels = [
+        on_all(lambda a: a + 1.0, (1,)),  # the launch: a program that does (almost) nothing
+        on_all(lambda a, b: a @ b, (m, m), (m, m)),
+        on_all(lambda a, b: a * 1.5 + b, (k,), (k,)),
+    ]
     collectives = {
         "all_reduce": (2.0, lambda a: jax.lax.psum(a, "d")),
         "all_gather": (1.0, lambda a: jax.lax.all_gather(a[: a.shape[0] // n], "d", tiled=True)),
@@ -262,7 +271,9 @@ def calibrate(
     if n > 1:
         kernels += [on_all(f, (s // 4,)) for _, f in collectives.values() for s in sizes]
     sync = on_all(lambda a: jax.lax.psum(a, "d"), (1,)) if jax.process_count() > 1 else None
-    secs = _agreed_seconds(_alternated_medians(kernels, reps, sync))
+    raw = _agreed_seconds(_alternated_medians(kernels, reps, sync))
+    launch = raw[0]
+    secs = [max(t - launch, 1e-7) for t in raw[1:]]  # each kernel's own time, as one op of a step
     flops, mem_bw = 2 * m**3 / secs[0], 3 * 4 * k / secs[1]
     native_rs = devices[0].platform != "cpu"
     if n == 1:
@@ -272,6 +283,7 @@ def calibrate(
             mem_bw,
             dict.fromkeys(COLLECTIVES, 1e12),
             0.0,
+            launch_seconds=launch,
             native_reduce_scatter=native_rs,
         )
     bandwidth, latencies, curves = {}, [], {}
@@ -291,6 +303,7 @@ def calibrate(
         bandwidth,
         float(np.median(latencies)),
         link_curve=curves,
+        launch_seconds=launch,
         native_reduce_scatter=native_rs,
     )
 
