@@ -9,10 +9,10 @@ Every run goes through `launch_local` (127.0.0.1, gloo collectives).
 * All-reduce: 2 processes x 1 device, so every byte crosses the process boundary. In each of ROUNDS alternating
   rounds the planner's cost model (`openhosti_jax.planner.profile.calibrate`) is calibrated in this 2-process
   setting as the planner calibrates for a model whose gradient is TOP bytes (`calibration_sizes(TOP)`: 64 KiB
-  .. 8 MiB, then 32 MiB; alternated, medians); its predictions for all-reduces of OFF_LADDER sizes (3, 12 and
-  24 MiB, none a calibration point, so they test the interpolation) are compared with medians measured right
-  after, alternated (each a program of its own, so predicted = the profile's launch + the all-reduce). Per size
-  the ratio is the median over rounds; the headline is the size farthest from 1.
+  .. 8 MiB, then sqrt(2) steps to 32 MiB; alternated, medians); its predictions for all-reduces of OFF_LADDER
+  sizes (3, 12 and 24 MiB, none a calibration point, so they test the interpolation) are compared with medians
+  measured right after, alternated (each a program of its own, so predicted = the profile's launch + the
+  all-reduce). Per size the ratio is the median over rounds; the headline is the size farthest from 1.
   A detail: the default calibration (up to 8 MiB) extrapolating to 32 MiB, what the model does beyond its data.
 
 The last line printed is one JSON object with the keys of BENCHMARKS.md (multihost.py) and details.

@@ -97,7 +97,7 @@ def test_measured_curve_interpolates_and_extends_its_end_segments():
 def test_calibration_sizes_reach_the_largest_collective():
     assert calibration_sizes() == CALIBRATION_SIZES
     assert calibration_sizes(2**20) == CALIBRATION_SIZES
-    assert calibration_sizes(20 * 2**20)[-1] == 32 * 2**20
+    assert [s / 2**20 for s in calibration_sizes(32 * 2**20)[-3:]] == pytest.approx([16, 2**4.5, 32])  # sqrt(2) steps
     assert calibration_sizes(2**40)[-1] == MAX_CALIBRATION_BYTES
 
 
