@@ -123,11 +123,10 @@ def estimate(
     state = (param_local + opt_local) / stages
     # Two peaks: the backward's start (every residual, the gathered parameters and the first, largest gradient
     # leaf) and the gradient reduction (one combined collective: its full input and its output both live).
-    grads_out = sum(_local(x.shape, x.dtype, s, sizes) for x, s in zip(params, g_specs, strict=True))
     if dp == 1:
         reduction = grads_full
-    elif plan.zero_stage >= 2 and profile.native_reduce_scatter:
-        reduction = grads_full + grads_out
+    elif plan.zero_stage >= 2 and profile.native_reduce_scatter:  # + the scattered output
+        reduction = grads_full + sum(_local(x.shape, x.dtype, s, sizes) for x, s in zip(params, g_specs, strict=True))
     else:  # all-reduced (on CPU also under ZeRO-2/3: an all-reduce and a slice)
         reduction = 2 * grads_full
     temp = max(act + gathered + max(grad_full, default=0), reduction) / stages

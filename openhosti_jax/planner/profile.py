@@ -153,7 +153,8 @@ def calibration_sizes(max_bytes: int | None = None) -> tuple[int, ...]:
     """
     sizes = list(CALIBRATION_SIZES)
     while max_bytes is not None and sizes[-1] < min(max_bytes, MAX_CALIBRATION_BYTES):
-        sizes.append(min(round(CALIBRATION_SIZES[-1] * 2 ** ((len(sizes) - 4) / 2)), MAX_CALIBRATION_BYTES))
+        step = len(sizes) - len(CALIBRATION_SIZES) + 1
+        sizes.append(min(round(CALIBRATION_SIZES[-1] * 2 ** (step / 2)), MAX_CALIBRATION_BYTES))
     return tuple(sizes)
 
 
@@ -277,10 +278,10 @@ def calibrate(
     launch = raw[0]
     secs = [max(t - launch, 1e-7) for t in raw[1:]]  # each kernel's own time, as one op of a step
     flops, mem_bw = 2 * m**3 / secs[0], 3 * 4 * k / secs[1]
-    native_rs = devices[0].platform != "cpu"
+    name, native_rs = f"{devices[0].platform} (measured)", devices[0].platform != "cpu"
     if n == 1:
         return DeviceProfile(
-            f"{devices[0].platform} (measured)",
+            name,
             flops,
             mem_bw,
             dict.fromkeys(COLLECTIVES, 1e12),
@@ -299,7 +300,6 @@ def calibrate(
         # one is noise (clipping from above keeps one slow sample from raising every larger size)
         monotone = np.minimum.accumulate(np.asarray(timed)[::-1])[::-1]
         curves[kind] = tuple(zip(bus, monotone.tolist(), strict=True))
-    name = f"{devices[0].platform} (measured)"
     return DeviceProfile(
         name,
         flops,

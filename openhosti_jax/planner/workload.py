@@ -87,8 +87,7 @@ class Workload:
         if key not in self._split_cache:
             in_dims = list(param_dims) + [None] * (len(self.jaxpr.invars) - len(param_dims))
             dims, split_flops, reshard, cut = propagate(self.jaxpr, in_dims, t)
-            kept = self.residuals + self.outputs + self.outputs
-            act = sum(_nbytes(v) / (t if dims.get(v) is not None else 1) for v in kept)
+            act = sum(_nbytes(v) / (t if dims.get(v) is not None else 1) for v in _saved(self.residuals, self.outputs))
             total = _dot_flops(self.jaxpr)
             self._split_cache[key] = TensorSplit(act, split_flops / total if total else 0.0, reshard, cut)
         return self._split_cache[key]
@@ -203,6 +202,12 @@ def _per_example_residuals(jaxpr: Any, n_params: int) -> tuple[Any, ...]:
     return tuple(kept)
 
 
+def _saved(residuals: tuple[Any, ...], outputs: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The values a training step keeps per example: the model's residuals, and each output twice (the loss on
+    it keeps one output-sized residual, e.g. its softmax, and makes the output's cotangent)."""
+    return residuals + outputs + outputs
+
+
 def _nbytes(v: Any) -> float:
     return float(math.prod(v.aval.shape) * v.aval.dtype.itemsize)
 
@@ -225,12 +230,11 @@ def measure(params: Any, model_state: Any, apply_fn: ApplyFn | None, batch: Any)
     one, shapes = jax.make_jaxpr(fwd, return_shape=True)(plain, _resize(batch, 1))
     n_params = len(jax.tree.leaves(plain))
     residuals = _per_example_residuals(one.jaxpr, n_params)
-    # the loss on the outputs keeps one output-sized residual (e.g. softmax) and makes the outputs' cotangent
     outputs = tuple(v for v in one.jaxpr.outvars[: len(jax.tree.leaves(shapes[0]))] if not isinstance(v, Literal))
     first = one.out_avals[0]
     tokens = math.prod(first.shape[1:-1]) if first.ndim >= 3 else 1
     flops = 3.0 * _dot_flops(one.jaxpr)
-    act = sum(_nbytes(v) for v in residuals) + 2 * sum(_nbytes(v) for v in outputs)
+    act = sum(_nbytes(v) for v in _saved(residuals, outputs))
     return Workload(
         params,
         model_state,
