@@ -75,7 +75,7 @@ def allreduce_worker() -> None:
                     short.launch_seconds + short.collective_seconds("all_reduce", TOP, n)
                 )
                 / measured[-1],
-                "curve": profile.link_curve["all_reduce"],
+                "curve": profile.link_curve["all_reduce"][n],
             }
         )
     total = float(f(xs[0]).addressable_data(0)[0, 0])

@@ -28,7 +28,7 @@ from openhosti_jax.state import create_train_state  # noqa: E402
 from openhosti_jax.train import spmd  # noqa: E402
 
 NAME = sys.argv[1] if len(sys.argv) > 1 else "gpt-tiny"
-ROUNDS, STEPS = 8, 3
+ROUNDS, STEPS = 16, 4
 REFINE = 3  # candidates the refined plan compiles and times
 
 

@@ -77,21 +77,30 @@ def test_alpha_beta_formulas():
 
 
 def test_measured_curve_interpolates_and_extends_its_end_segments():
-    """A calibrated profile follows its measured points (bandwidth halving past 8 MiB), not one line."""
+    """A calibrated profile follows its measured points (bandwidth halving past 8 MiB), not one line, on the
+    curve of the nearest measured group size."""
     mib = 2**20
     curve = ((1 * mib, 1e-3), (8 * mib, 8e-3), (32 * mib, 56e-3))  # 1 GB/s, then 0.5 GB/s
-    p = dataclasses.replace(PROFILES["H100"], link_curve={"all_gather": curve})
-    n = 2  # all-gather bus bytes = (n-1)/n * bytes
-    at = lambda bus: p.collective_seconds("all_gather", bus * n / (n - 1), n)
+    pairs = ((1 * mib, 0.5e-3), (8 * mib, 4e-3))  # groups of 2 meet twice as fast
+    p = dataclasses.replace(PROFILES["H100"], link_curve={"all_gather": {8: curve, 2: pairs}})
+    n = 8  # all-gather bus bytes = (n-1)/n * bytes
+    at = lambda bus, n=n: p.collective_seconds("all_gather", bus * n / (n - 1), n)
     assert at(8 * mib) == pytest.approx(8e-3)
     assert at(20 * mib) == pytest.approx(8e-3 + 12 * mib * 48e-3 / (24 * mib))  # on the 0.5 GB/s segment
     assert at(64 * mib) == pytest.approx(56e-3 + 32 * mib * 48e-3 / (24 * mib))  # last segment extended
     assert at(1024) == pytest.approx(1e-3)  # never below the smallest measured time
+    assert at(8 * mib, 2) == pytest.approx(4e-3)  # its own group's curve
+    assert at(8 * mib, 16) == pytest.approx(8e-3)  # the nearest measured group: 8
+    assert at(8 * mib, 4) == pytest.approx(8e-3)  # halfway (in log) between 2 and 8: the larger, not to flatter
     # kinds without a curve keep the alpha-beta line
     bw = p.link_bandwidth["all_reduce"]
     assert p.collective_seconds("all_reduce", mib, 8) == p.link_latency + 2 * 7 / 8 * mib / bw
     with pytest.raises(PlanningError, match="link_curve"):
-        dataclasses.replace(p, link_curve={"all_gather": ((2.0, 1.0), (1.0, 2.0))})
+        dataclasses.replace(p, link_curve={"all_gather": {8: ((2.0, 1.0), (1.0, 2.0))}})
+    with pytest.raises(PlanningError, match="group size"):
+        dataclasses.replace(p, link_curve={"all_gather": {1: curve}})
+    with pytest.raises(PlanningError, match="link_curve"):
+        dataclasses.replace(p, link_curve={"all_gather": curve})
 
 
 def test_calibration_sizes_reach_the_largest_collective():
@@ -106,19 +115,44 @@ def test_calibration_prices_a_collective_as_one_op_inside_a_step():
     """Each calibration kernel runs as its own program; its launch is measured and subtracted, so that K
     collectives inside one step cost one launch + K collectives (not K launches)."""
     devices = jax.devices()
-    p = calibrate(devices, reps=5, sizes=(2**16, 2**18))
+    p = calibrate(devices, reps=9, sizes=(2**16, 2**18))
     assert p.launch_seconds > 0
     k, n, nbytes = 16, len(devices), 2**18
     mesh = Mesh(np.asarray(devices, dtype=object), ("d",), axis_types=(AxisType.Explicit,))
 
     def chain(a):
         for _ in range(k):
-            a = jax.lax.psum(a, "d") * 0.5
+            a = jax.lax.psum(a, "d")  # ones: 8**16 stays finite
         return a
 
     f = jax.jit(jax.shard_map(chain, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
     x = jax.device_put(np.ones((n, nbytes // 4), np.float32), NamedSharding(mesh, P("d")))
-    (measured,) = _alternated_medians([lambda: f(x)], 9)
+    (measured,) = _alternated_medians([lambda: f(x)], 15)
     per_op = p.collective_seconds("all_reduce", nbytes, n)
     in_step, per_program = p.launch_seconds + k * per_op, k * (per_op + p.launch_seconds)
     assert abs(in_step - measured) < abs(per_program - measured), (measured, in_step, per_program)
+
+
+@pytest.mark.timeout(120)
+def test_calibration_prices_a_small_group_on_its_own_curve():
+    """Collectives over pairs (a tensor axis of 2, all pairs at once) are timed as such: K chained pair
+    all-reduces in one step cost what the pairs' curve says, which is less than the all-device curve's price."""
+    devices = jax.devices()
+    n, k, nbytes = len(devices), 12, 2**15  # between the calibrated sizes
+    p = calibrate(devices, reps=7, sizes=(2**14, 2**16))
+    assert set(p.link_curve["all_reduce"]) == {g for g in range(2, n + 1) if n % g == 0}
+    mesh = Mesh(np.asarray(devices, dtype=object).reshape(n // 2, 2), ("r", "d"), axis_types=(AxisType.Explicit,) * 2)
+
+    def chain(a):
+        for _ in range(k):
+            a = jax.lax.psum(a, "d")  # ones: 8**16 stays finite
+        return a
+
+    spec = P(("r", "d"))
+    f = jax.jit(jax.shard_map(chain, mesh=mesh, in_specs=spec, out_specs=spec))
+    x = jax.device_put(np.ones((n, nbytes // 4), np.float32), NamedSharding(mesh, spec))
+    (measured,) = _alternated_medians([lambda: f(x)], 15)
+    pairs = p.launch_seconds + k * p.collective_seconds("all_reduce", nbytes, 2)
+    as_if_all = p.launch_seconds + k * p.link_curve["all_reduce"][n][0][1]
+    assert pairs < as_if_all
+    assert abs(pairs - measured) < abs(as_if_all - measured), (measured, pairs, as_if_all)

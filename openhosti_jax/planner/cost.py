@@ -8,7 +8,8 @@ the sharded gradient). Time (seconds, no overlap assumed): matmul FLOPs / peak,
 activation and optimizer-update bytes / memory bandwidth, and every collective priced per leaf by the profile's
 alpha-beta model (all-reduce 2(n-1)/n, all-gather and reduce-scatter (n-1)/n of the bytes over the bandwidth).
 Gradient reductions pay one latency per kind and group: XLA's all-reduce / reduce-scatter combiners merge them
-into one op (seen in the compiled HLO), while ZeRO-3 gathers stay one per sharded leaf (gathered per use).
+into one op (seen in the compiled HLO), while ZeRO-3 gathers stay one per sharded leaf (gathered per use). Without
+a native reduce-scatter (CPU) ZeRO-2/3 gradients are all-reduced over the data-parallel devices, as in ZeRO-0/1.
 
 Example:
     >>> import jax, jax.numpy as jnp, optax
@@ -150,7 +151,7 @@ def estimate(
     for x, zs, bs in zip(params, sharded, base, strict=True):
         full = _local(x.shape, x.dtype, bs, sizes)
         z = _group(zs, bs, sizes) if plan.zero_stage >= 1 else 1
-        if plan.zero_stage >= 2:
+        if plan.zero_stage >= 2 and profile.native_reduce_scatter:
             grad_sync("reduce_scatter", full, z)
             grad_sync("all_reduce", full / z, dp // z)
         else:

@@ -2,12 +2,13 @@
 
 Accelerators come from their published specs; CPU (and any unknown kind) is measured at run time by
 `calibrate`: a matmul and an elementwise op run on every device at once (so shared cores are accounted for),
-and all-reduce / all-gather / reduce-scatter at several sizes (64 KiB .. 8 MiB, and on up to the largest
-collective the model needs, `calibration_sizes`; alternated, medians) give each collective's latency (alpha)
-and bandwidth (beta) by a least-squares fit (`fit_alpha_beta`), and the measured points themselves: a
-calibrated profile prices a collective by interpolating its measured curve (`DeviceProfile.link_curve`),
-because caches and protocol switches make the bandwidth depend on the size (on this CPU the cross-process
-all-reduce bandwidth halves between 8 and 32 MiB), which one straight line cannot follow. Any field can be
+and all-reduce / all-gather / reduce-scatter at several sizes (16 KiB .. 8 MiB, and on up to the largest
+collective the model needs, `calibration_sizes`; alternated, medians) over every group size give each collective's
+measured curve (`DeviceProfile.link_curve`), and over all devices its latency (alpha) and bandwidth (beta) by a
+least-squares fit (`fit_alpha_beta`). A calibrated profile prices a collective by interpolating the curve of its
+group size, because caches and protocol switches make the bandwidth depend on the size (on this CPU the
+cross-process all-reduce bandwidth halves between 8 and 32 MiB), which one straight line cannot follow, and
+small groups meet faster than large ones. Any field can be
 overridden with `dataclasses.replace` or by passing a profile to the planner.
 
 Example:
@@ -25,6 +26,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -51,10 +53,12 @@ class DeviceProfile:
     """Seconds of fixed cost per collective (alpha)."""
     memory_bytes: int | None = None
     """Device memory, the default memory budget (None: unknown, no default budget)."""
-    link_curve: Mapping[str, tuple[tuple[float, float], ...]] = dataclasses.field(default_factory=dict)
-    """Collective kind -> measured ``(bus bytes, seconds)`` points, sizes ascending, times non-decreasing.
-    Where given, it prices that collective by piecewise-linear interpolation, each end segment extended;
-    empty (spec-sheet profiles): the alpha-beta line."""
+    link_curve: Mapping[str, Mapping[int, tuple[tuple[float, float], ...]]] = dataclasses.field(default_factory=dict)
+    """Collective kind -> group size -> measured ``(bus bytes, seconds)`` points, sizes ascending, times
+    non-decreasing. Where given, it prices that collective by piecewise-linear interpolation, each end segment
+    extended, on the curve of the nearest measured group size (a small group's rendezvous is cheaper: on 8
+    simulated CPU devices a 32 KiB all-reduce takes ~70 us over pairs, ~180 us over all 8); empty (spec-sheet
+    profiles): the alpha-beta line."""
     launch_seconds: float = 0.0
     """Seconds a program takes to start and finish on all devices, paid once per step: a calibration times each
     kernel as a program of its own and subtracts this, so a collective is priced as one op inside the step."""
@@ -72,13 +76,24 @@ class DeviceProfile:
         if missing:
             problems.append(f"link_bandwidth lacks {missing}; give bytes/s for each of {COLLECTIVES}")
         problems += [f"link_bandwidth[{k!r}]={v!r} must be > 0" for k, v in self.link_bandwidth.items() if v <= 0]
-        for kind, points in self.link_curve.items():
-            x, t = np.asarray([p[0] for p in points], float), np.asarray([p[1] for p in points], float)
-            if kind not in COLLECTIVES or len(points) < 2 or (np.diff(x) <= 0).any() or (np.diff(t) < 0).any():
+        for kind, groups in self.link_curve.items():
+            if kind not in COLLECTIVES or not isinstance(groups, Mapping) or not groups:
                 problems.append(
-                    f"link_curve[{kind!r}] must be >= 2 (bus bytes, seconds) points of a kind in {COLLECTIVES}, "
-                    f"sizes increasing and times non-decreasing; found {points}"
+                    f"link_curve[{kind!r}] must map a kind in {COLLECTIVES} to {{group size: points}}; found {groups!r}"
                 )
+                continue
+            for n, points in groups.items():
+                x, t = np.asarray([p[0] for p in points], float), np.asarray([p[1] for p in points], float)
+                if (
+                    not (isinstance(n, int) and n >= 2)
+                    or len(points) < 2
+                    or (np.diff(x) <= 0).any()
+                    or (np.diff(t) < 0).any()
+                ):
+                    problems.append(
+                        f"link_curve[{kind!r}][{n!r}] must be a group size >= 2 with >= 2 (bus bytes, seconds) "
+                        f"points, sizes increasing and times non-decreasing; found {points}"
+                    )
         if self.launch_seconds < 0:
             problems.append(f"launch_seconds={self.launch_seconds!r} must be >= 0")
         if self.link_latency < 0:
@@ -87,15 +102,18 @@ class DeviceProfile:
             raise PlanningError("invalid DeviceProfile: " + "; ".join(problems))
 
     def collective_seconds(self, kind: str, nbytes: float, n: int) -> float:
-        """Alpha-beta time of one collective over ``n`` devices on a buffer of ``nbytes`` (the full buffer).
+        """Time of one collective over groups of ``n`` devices on a buffer of ``nbytes`` (the full buffer).
 
-        all-reduce: 2(n-1)/n * bytes / bw; all-gather and reduce-scatter: (n-1)/n * bytes / bw.
+        Bus bytes: all-reduce 2(n-1)/n * bytes, all-gather and reduce-scatter (n-1)/n * bytes; priced on the
+        measured curve (`link_curve`) or the alpha-beta line ``latency + bus / bandwidth``.
         """
         if n <= 1 or nbytes <= 0:
             return 0.0
-        bus = (2.0 if kind == "all_reduce" else 1.0) * (n - 1) / n * nbytes
+        bus = _bus_bytes(kind, nbytes, n)
         if kind in self.link_curve:
-            return _interpolate(self.link_curve[kind], bus)
+            groups = self.link_curve[kind]
+            nearest = min(groups, key=lambda g: (abs(np.log(g / n)), -g))
+            return _interpolate(groups[nearest], bus)
         return self.link_latency + bus / self.link_bandwidth[kind]
 
 
@@ -134,8 +152,8 @@ _KIND_ALIASES = {
 }
 
 
-CALIBRATION_SIZES: tuple[int, ...] = (2**16, 2**18, 2**20, 2**21, 2**23)
-"""Per-device buffer bytes (64 KiB .. 8 MiB) at which `calibrate` times each collective."""
+CALIBRATION_SIZES: tuple[int, ...] = (2**14, 2**16, 2**18, 2**20, 2**21, 2**23)
+"""Per-device buffer bytes (16 KiB .. 8 MiB) at which `calibrate` times each collective."""
 MAX_CALIBRATION_BYTES = 2**26
 """The largest per-device buffer `calibration_sizes` adds (64 MiB); bigger collectives extrapolate."""
 
@@ -148,7 +166,7 @@ def calibration_sizes(max_bytes: int | None = None) -> tuple[int, ...]:
     by 32 MiB, and a line from 8 to 32 MiB over-priced 24 MiB by up to 1.6x.
 
     Example:
-        >>> [round(s / 2**20, 1) for s in calibration_sizes(20 * 2**20)[4:]]
+        >>> [round(s / 2**20, 1) for s in calibration_sizes(20 * 2**20)[5:]]
         [8.0, 11.3, 16.0, 22.6]
     """
     sizes = list(CALIBRATION_SIZES)
@@ -236,7 +254,9 @@ def calibrate(
     """Measure a profile for ``devices`` (default: all) by timing small kernels on all of them at once.
 
     Each collective is timed at every per-device buffer size in ``sizes`` (``reps`` alternating rounds,
-    medians) and fitted by `fit_alpha_beta`. With devices in several processes the collectives cross the
+    medians) over every group size that divides the device count (consecutive devices, all groups at once, as
+    the inner axes of a mesh run them), kept as measured curves, and over all devices fitted by
+    `fit_alpha_beta`. With devices in several processes the collectives cross the
     process boundary, so the fit prices that link; every process takes the slowest process's timings and so
     returns the same profile (call it on all processes, like any collective).
     """
@@ -247,16 +267,22 @@ def calibrate(
             f"calibrate needs >= 2 distinct sizes of >= {4 * n} bytes; got {list(sizes)}; "
             f"pass e.g. sizes={CALIBRATION_SIZES}"
         )
-    mesh = Mesh(np.asarray(devices, dtype=object), ("d",), axis_types=(AxisType.Explicit,))
-    sharded = NamedSharding(mesh, P("d"))
 
-    def on_all(f: Callable, *shapes: tuple[int, ...]) -> Callable[[], object]:
+    def on_all(f: Callable, *shapes: tuple[int, ...], group: int = n) -> Callable[[], object]:
+        """``f`` on every device at once, its collectives over consecutive groups of ``group`` devices."""
+        mesh = Mesh(
+            np.asarray(devices, dtype=object).reshape(n // group, group),
+            ("r", "d"),
+            axis_types=(AxisType.Explicit,) * 2,
+        )
+        sharded = NamedSharding(mesh, P(("r", "d")))
         local = [d for d in devices if d.process_index == jax.process_index()]
         xs = [
             jax.make_array_from_process_local_data(sharded, np.ones((len(local), *s), np.float32), (n, *s))
             for s in shapes
         ]
-        g = jax.jit(jax.shard_map(lambda *a: f(*(x[0] for x in a))[None], mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+        spec = P(("r", "d"))
+        g = jax.jit(jax.shard_map(lambda *a: f(*(x[0] for x in a))[None], mesh=mesh, in_specs=spec, out_specs=spec))
         return lambda: g(*xs)
 
     m, k = 512, 2**20
@@ -265,14 +291,11 @@ def calibrate(
         on_all(lambda a, b: a @ b, (m, m), (m, m)),
         on_all(lambda a, b: a * 1.5 + b, (k,), (k,)),
     ]
-    collectives = {
-        "all_reduce": (2.0, lambda a: jax.lax.psum(a, "d")),
-        "all_gather": (1.0, lambda a: jax.lax.all_gather(a[: a.shape[0] // n], "d", tiled=True)),
-        "reduce_scatter": (1.0, lambda a: jax.lax.psum_scatter(a, "d", tiled=True)),
-    }
+    groups = [g for g in range(2, n + 1) if n % g == 0]
     sizes = sorted({s // (4 * n) * 4 * n for s in sizes})
-    if n > 1:
-        kernels += [on_all(f, (s // 4,)) for _, f in collectives.values() for s in sizes]
+    timed = [(kind, g) for kind in COLLECTIVES for g in groups]
+    for kind, g in timed:
+        kernels += [on_all(_chain(kind, chain_length(s)), (_input_bytes(kind, s, g) // 4,), group=g) for s in sizes]
     sync = on_all(lambda a: jax.lax.psum(a, "d"), (1,)) if jax.process_count() > 1 else None
     raw = _agreed_seconds(_alternated_medians(kernels, reps, sync))
     launch = raw[0]
@@ -289,17 +312,20 @@ def calibrate(
             launch_seconds=launch,
             native_reduce_scatter=native_rs,
         )
-    bandwidth, latencies, curves = {}, [], {}
-    for i, (kind, (factor, _)) in enumerate(collectives.items()):
-        timed = secs[2 + i * len(sizes) : 2 + (i + 1) * len(sizes)]
-        bus = [factor * s * (n - 1) / n for s in sizes]
-        alpha, bw = fit_alpha_beta(bus, timed)
-        bandwidth[kind] = bw
-        latencies.append(alpha)
+    bandwidth, latencies = {}, []
+    curves: dict[str, dict[int, tuple[tuple[float, float], ...]]] = {kind: {} for kind in COLLECTIVES}
+    for i, (kind, g) in enumerate(timed):
+        chains = secs[2 + i * len(sizes) : 2 + (i + 1) * len(sizes)]
+        seconds = [t / chain_length(s) for t, s in zip(chains, sizes, strict=True)]
+        bus = [_bus_bytes(kind, s, g) for s in sizes]
         # a smaller buffer never takes longer: interference only adds time, so a small size timed above a larger
         # one is noise (clipping from above keeps one slow sample from raising every larger size)
-        monotone = np.minimum.accumulate(np.asarray(timed)[::-1])[::-1]
-        curves[kind] = tuple(zip(bus, monotone.tolist(), strict=True))
+        monotone = np.minimum.accumulate(np.asarray(seconds)[::-1])[::-1]
+        curves[kind][g] = tuple(zip(bus, monotone.tolist(), strict=True))
+        if g == n:  # the alpha-beta summary describes the whole device set
+            alpha, bw = fit_alpha_beta(bus, seconds)
+            bandwidth[kind] = bw
+            latencies.append(alpha)
     return DeviceProfile(
         name,
         flops,
@@ -310,6 +336,54 @@ def calibrate(
         launch_seconds=launch,
         native_reduce_scatter=native_rs,
     )
+
+
+def _bus_bytes(kind: str, nbytes: float, n: int) -> float:
+    """Bytes each device moves in a collective of ``kind`` over ``n`` devices on a full buffer of ``nbytes``."""
+    return (2.0 if kind == "all_reduce" else 1.0) * (n - 1) / n * nbytes
+
+
+def _input_bytes(kind: str, nbytes: int, n: int) -> int:
+    """Per-device input bytes of a collective whose full buffer is ``nbytes`` (an all-gather's is 1/n of it)."""
+    return nbytes // n if kind == "all_gather" else nbytes
+
+
+CHAIN_BYTES = 2**19
+"""Buffers smaller than this are timed as a chain of `chain_length` dependent collectives in one program."""
+
+
+def chain_length(nbytes: int) -> int:
+    """Collectives a calibration chains at ``nbytes`` per device: CHAIN_BYTES // nbytes, 1 .. 16.
+
+    A program's lone collective also waits for the devices' start skew, which a step's later collectives do not:
+    on 8 simulated CPU devices a lone 16 KiB all-reduce over pairs costs ~70-300 us beyond the launch, each of
+    a chain of 16 ~50 us. Chaining small sizes prices the op as a step sees it; large ones dwarf the skew.
+
+    Example:
+        >>> [chain_length(n) for n in (2**14, 2**16, 2**18, 2**20)]
+        [16, 8, 2, 1]
+    """
+    return int(np.clip(CHAIN_BYTES // nbytes, 1, 16))
+
+
+def _chain(kind: str, length: int) -> Callable[[jax.Array], jax.Array]:
+    """``length`` dependent collectives of ``kind`` over mesh axis ``"d"``; inside a chain an all-gather's result
+    is cut, and a reduce-scatter's tiled, back to its input's shape (one small copy)."""
+
+    def f(a: jax.Array) -> jax.Array:
+        for i in range(length):
+            last = i == length - 1
+            if kind == "all_reduce":
+                a = jax.lax.psum(a, "d")
+            elif kind == "all_gather":
+                out = jax.lax.all_gather(a, "d", tiled=True)
+                a = out if last else out[: a.shape[0]]
+            else:
+                out = jax.lax.psum_scatter(a, "d", tiled=True)
+                a = out if last else jnp.tile(out, a.shape[0] // out.shape[0])
+        return a
+
+    return f
 
 
 @functools.cache
