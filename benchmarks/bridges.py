@@ -3,14 +3,16 @@
 Prints one JSON object on its last line (keys in /work/shared/BENCHMARKS.md):
 - ``zero_copy_1gb_over_1mb``: the larger of the to_torch and to_jax ratios, median time 1 GB / 1 MB (goal < 2);
 - ``torch_loader_over_native``: batches/s from a TorchLoader over a DataLoader that fetches whole batches
-  (``BatchSampler`` as sampler, ``batch_size=None``, a dataset indexing with ``index_select``) / from
+  (`PermutationBatchSampler` as sampler, ``batch_size=None``, a dataset indexing with ``index_select``) / from
   ``openhosti_jax.data.ArrayDataset``, both shuffled and placed as sharded global batches on 8 devices
-  (goal >= 0.9). Also reported: the same with ``TensorDataset`` (list indexing, slow in torch) and with a
-  plain per-sample DataLoader (``__getitem__`` per sample + ``default_collate``), and where the time goes, in
+  (goal >= 0.9). Also reported: the same with torch's ``BatchSampler(RandomSampler)`` as sampler (every index
+  a Python int), with ``TensorDataset`` (list indexing, slow in torch) and with a plain per-sample
+  DataLoader (``__getitem__`` per sample + ``default_collate``), and where the time goes, in
   microseconds per batch: the DataLoader iterated bare (``dataloader_us``), the TorchLoader without a mesh
-  (``dataloader_us`` + the adapter's own cost, ``adapter_us``), the native source without placement
-  (``native_source_us``), and the placement on the mesh (``placement_us``, the same `to_global_batch` for both).
-Runs alternate A and B in one process and report medians.
+  minus that (``adapter_us``; the adapter drives a single-process loader directly, without the DataLoader's
+  iterator), the native source without placement (``native_source_us``), and the placement on the mesh
+  (``placement_us``, the same `to_global_batch` for both).
+Runs alternate A and B in one process; loader ratios are medians over rounds of the ratio within a round.
 """
 
 import os
@@ -27,7 +29,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, TensorDataset  # noqa: E402
 
-from openhosti_jax.bridges import TorchLoader, to_global_batch, to_jax, to_torch  # noqa: E402
+from openhosti_jax.bridges import PermutationBatchSampler, TorchLoader, to_global_batch, to_jax, to_torch  # noqa: E402
 from openhosti_jax.data import ArrayDataset  # noqa: E402
 
 torch.set_num_threads(1)
@@ -45,8 +47,8 @@ class BatchedTensors(Dataset):
     def __len__(self) -> int:
         return len(self.tensors[0])
 
-    def __getitem__(self, rows: list[int]) -> tuple[torch.Tensor, ...]:
-        index = torch.from_numpy(np.asarray(rows, dtype=np.int64))
+    def __getitem__(self, rows: torch.Tensor | list[int]) -> tuple[torch.Tensor, ...]:
+        index = rows if isinstance(rows, torch.Tensor) else torch.from_numpy(np.asarray(rows, dtype=np.int64))
         return tuple(t.index_select(0, index) for t in self.tensors)
 
 
@@ -80,7 +82,7 @@ def conversion_ratios(rounds: int = 15, reps: int = 200) -> dict[str, float]:
     }
 
 
-def loader_ratios(rounds: int = 5, batches: int = 40) -> dict[str, float]:
+def loader_ratios(rounds: int = 15, batches: int = 40) -> dict[str, float]:
     n, width, batch = 32768, 256, 256
     x = np.random.default_rng(0).normal(size=(n, width)).astype(np.float32)
     y = np.arange(n, dtype=np.int32)
@@ -98,22 +100,24 @@ def loader_ratios(rounds: int = 5, batches: int = 40) -> dict[str, float]:
     def native():
         return (to_global_batch(b, mesh, spec) for b in ArrayDataset({"x": x, "y": y}, batch, seed=1))
 
-    def torch_loader(data: Dataset):
-        sampler = BatchSampler(RandomSampler(data, generator=torch.Generator()), batch, drop_last=True)
-        loader = DataLoader(data, sampler=sampler, batch_size=None)
+    def batch_sampler(data: Dataset):
+        return BatchSampler(RandomSampler(data, generator=torch.Generator()), batch, drop_last=True)
+
+    def permutation_sampler(data: Dataset):
+        return PermutationBatchSampler(len(data), batch, torch.Generator())
+
+    def torch_loader(data: Dataset, sampler=permutation_sampler):
+        loader = DataLoader(data, sampler=sampler(data), batch_size=None)
         return TorchLoader(loader, names=("x", "y"), seed=1, mesh=mesh, spec=spec)
 
     fast = BatchedTensors(torch.from_numpy(x), torch.from_numpy(y))
-    torch_batched = lambda: torch_loader(fast)
-    torch_tensor_dataset = lambda: torch_loader(dataset)
 
     def dataloader_bare():
-        sampler = BatchSampler(RandomSampler(fast, generator=torch.Generator()), batch, drop_last=True)
-        return iter(DataLoader(fast, sampler=sampler, batch_size=None))
+        return iter(DataLoader(fast, sampler=permutation_sampler(fast), batch_size=None))
 
     def torch_unplaced():
-        sampler = BatchSampler(RandomSampler(fast, generator=torch.Generator()), batch, drop_last=True)
-        return TorchLoader(DataLoader(fast, sampler=sampler, batch_size=None), names=("x", "y"), seed=1)
+        loader = DataLoader(fast, sampler=permutation_sampler(fast), batch_size=None)
+        return TorchLoader(loader, names=("x", "y"), seed=1)
 
     def torch_per_sample():
         loader = DataLoader(dataset, batch_size=batch, shuffle=True, generator=torch.Generator(), drop_last=True)
@@ -121,8 +125,9 @@ def loader_ratios(rounds: int = 5, batches: int = 40) -> dict[str, float]:
 
     makers = {
         "native": native,
-        "torch": torch_batched,
-        "torch_tensor_dataset": torch_tensor_dataset,
+        "torch": lambda: torch_loader(fast),
+        "torch_batch_sampler": lambda: torch_loader(fast, batch_sampler),
+        "torch_tensor_dataset": lambda: torch_loader(dataset, batch_sampler),
         "torch_per_sample": torch_per_sample,
         "dataloader_bare": dataloader_bare,
         "torch_unplaced": torch_unplaced,
@@ -135,10 +140,15 @@ def loader_ratios(rounds: int = 5, batches: int = 40) -> dict[str, float]:
         for k, make in makers.items():
             rates[k].append(consume(make()))
     med = {k: statistics.median(v) for k, v in rates.items()}
+
+    def over_native(k: str) -> float:  # per round (the two ran back to back), then the median
+        return statistics.median(a / b for a, b in zip(rates[k], rates["native"], strict=True))
+
     return {
-        "torch_loader_over_native": med["torch"] / med["native"],
-        "torch_tensor_dataset_loader_over_native": med["torch_tensor_dataset"] / med["native"],
-        "torch_per_sample_loader_over_native": med["torch_per_sample"] / med["native"],
+        "torch_loader_over_native": over_native("torch"),
+        "torch_batch_sampler_loader_over_native": over_native("torch_batch_sampler"),
+        "torch_tensor_dataset_loader_over_native": over_native("torch_tensor_dataset"),
+        "torch_per_sample_loader_over_native": over_native("torch_per_sample"),
         "native_batches_per_s": med["native"],
         "dataloader_us": 1e6 / med["dataloader_bare"],
         "adapter_us": 1e6 / med["torch_unplaced"] - 1e6 / med["dataloader_bare"],

@@ -11,9 +11,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, TensorDataset  # noqa: E402
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, TensorDataset  # noqa: E402
 
-from openhosti_jax.bridges import TorchLoader, to_global_batch  # noqa: E402
+from openhosti_jax.bridges import PermutationBatchSampler, TorchLoader, to_global_batch  # noqa: E402
+from openhosti_jax.bridges.torch_data import _direct, _samplers, epoch_seed  # noqa: E402
 from openhosti_jax.data import ArrayDataset  # noqa: E402
 from openhosti_jax.errors import BatchError, BridgeError  # noqa: E402
 
@@ -107,6 +108,108 @@ def test_distributed_sampler_set_epoch_resume():
     resumed.set_state(first.get_state())
     for want, got in zip(ref[5:], _collect(resumed, 4), strict=True):
         np.testing.assert_array_equal(got["x"], want["x"])
+
+
+class _Counted(torch.utils.data.Dataset):
+    """X, Y rows; counts the rows fetched. ``batched``: ``__getitem__`` takes an index tensor/list."""
+
+    def __init__(self, batched=False, getitems=False):
+        self.fetched, self.batched = 0, batched
+        self.x, self.y = torch.from_numpy(X.copy()), torch.from_numpy(Y.copy())
+        if getitems:
+            self.__getitems__ = lambda rows: [self[i] for i in rows]
+
+    def __len__(self):
+        return N
+
+    def __getitem__(self, i):
+        rows = torch.as_tensor(i)
+        self.fetched += rows.numel()
+        return (self.x[rows], self.y[rows]) if self.batched else {"x": self.x[i], "y": self.y[i]}
+
+
+_LOADERS = {
+    "batch_size": lambda: DataLoader(_Counted(), batch_size=8, shuffle=True, generator=torch.Generator()),
+    "last_partial": lambda: DataLoader(_Counted(), batch_size=7, shuffle=True, generator=torch.Generator()),
+    "getitems": lambda: DataLoader(_Counted(getitems=True), batch_size=8, shuffle=True, generator=torch.Generator()),
+    "collate_fn": lambda: DataLoader(
+        _Counted(), batch_size=8, collate_fn=lambda rows: {"x": torch.stack([r["x"] * 2 for r in rows])}
+    ),
+    "batch_sampler_as_sampler": lambda: DataLoader(
+        _Counted(batched=True),
+        sampler=BatchSampler(RandomSampler(range(N), generator=torch.Generator()), 8, drop_last=True),
+        batch_size=None,
+    ),
+    "permutation_batches": lambda: DataLoader(
+        _Counted(batched=True), sampler=PermutationBatchSampler(N, 8, torch.Generator()), batch_size=None
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(_LOADERS))
+def test_direct_single_process_path_yields_the_dataloaders_own_batches(kind):
+    """A plain single-process loader is driven through its sampler and dataset directly: the batches equal
+    what iterating the DataLoader itself gives for the same generator seed, epoch after epoch."""
+    seed, loader = 5, _LOADERS[kind]()
+    assert _direct(loader) is not None
+    got = TorchLoader(loader, names=("x", "y"), seed=seed)
+    per_epoch = len(loader)
+    reference = _LOADERS[kind]()
+    for epoch in range(2):
+        gens = {id(g): g for g in [reference.generator, *(getattr(s, "generator", None) for s in _samplers(reference))]}
+        for g in gens.values():
+            if g is not None:
+                g.manual_seed(epoch_seed(seed, epoch))
+        for want in reference:
+            have = next(got)
+            want = want if isinstance(want, dict) else dict(zip(("x", "y"), want, strict=True))
+            assert sorted(have) == sorted(want)
+            for k in want:
+                np.testing.assert_array_equal(have[k], want[k].numpy())
+    assert got.get_state() == {"epoch": 1, "position": per_epoch, "seed": seed}
+
+
+def test_loaders_with_workers_or_pinned_memory_keep_the_dataloaders_iterator():
+    assert _direct(DataLoader(_Counted(), batch_size=8, num_workers=1)) is None
+    assert _direct(DataLoader(_Counted(), batch_size=8, pin_memory=True)) is None
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(torch.arange(4))
+
+    assert _direct(DataLoader(Stream(), batch_size=None)) is None
+
+
+def test_direct_path_resume_skips_indices_without_loading_them():
+    def make():
+        dl = DataLoader(
+            _Counted(batched=True), sampler=PermutationBatchSampler(N, 8, torch.Generator()), batch_size=None
+        )
+        return TorchLoader(dl, names=("x", "y"), seed=3)
+
+    reference = _collect(make(), 6)
+    resumed = make()
+    resumed.set_state({"epoch": 0, "position": 4, "seed": 3})
+    b4, b5 = _collect(resumed, 2)
+    np.testing.assert_array_equal(b4["x"], reference[4]["x"])
+    np.testing.assert_array_equal(b5["y"], reference[5]["y"])
+    assert resumed.loader.dataset.fetched == 2 * 8  # the 4 skipped batches were never fetched
+    # every epoch is a permutation of all rows, and epochs differ
+    it = make()
+    e0, e1 = _collect(it, 6), _collect(it, 6)
+    assert not np.array_equal(e0[0]["x"], e1[0]["x"])
+    for epoch in (e0, e1):
+        np.testing.assert_array_equal(np.sort(np.concatenate([b["x"][:, 0] for b in epoch])), np.sort(X[:, 0]))
+
+
+def test_permutation_batch_sampler_sizes_and_errors():
+    assert [len(b) for b in PermutationBatchSampler(10, 4, shuffle=False, drop_last=False)] == [4, 4, 2]
+    assert torch.cat(list(PermutationBatchSampler(10, 4, shuffle=False))).tolist() == list(range(8))
+    assert len(PermutationBatchSampler(10, 4, torch.Generator(), drop_last=False)) == 3
+    with pytest.raises(BridgeError, match="needs a torch.Generator"):
+        PermutationBatchSampler(10, 4)
+    with pytest.raises(BatchError, match="batch_size >= 1"):
+        PermutationBatchSampler(10, 0, torch.Generator())
 
 
 def test_refuses_unreproducible_shuffling_and_bad_batches():

@@ -17,12 +17,13 @@ from openhosti_jax.bridges.tensors import (
 from openhosti_jax.bridges.tf_compute import wrap_for_tf
 from openhosti_jax.bridges.tf_data import TFDatasetLoader
 from openhosti_jax.bridges.torch_compute import wrap_for_torch
-from openhosti_jax.bridges.torch_data import TorchLoader
+from openhosti_jax.bridges.torch_data import PermutationBatchSampler, TorchLoader
 from openhosti_jax.bridges.weights import LayerMap, flax_to_torch, layer_maps, torch_to_flax
 
 __all__ = [
     "DeviceShard",
     "LayerMap",
+    "PermutationBatchSampler",
     "TFDatasetLoader",
     "TorchLoader",
     "default_batch_spec",
