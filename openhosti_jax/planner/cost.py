@@ -36,7 +36,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from openhosti_jax.planner.plan import ShardingPlan
-from openhosti_jax.planner.profile import DeviceProfile
+from openhosti_jax.planner.profile import DeviceProfile, bus_bytes
 from openhosti_jax.planner.specs import local_shape, spec_axes
 from openhosti_jax.planner.workload import Workload
 
@@ -140,7 +140,7 @@ def estimate(
         nonlocal comm_s, comm_b
         if n > 1 and nbytes > 0:
             comm_s += profile.collective_seconds(kind, nbytes, n)
-            comm_b += (2.0 if kind == "all_reduce" else 1.0) * (n - 1) / n * nbytes
+            comm_b += bus_bytes(kind, nbytes, n)
 
     combined: dict[tuple[str, int], float] = {}  # gradient reductions: XLA's combiners fuse them per kind
 

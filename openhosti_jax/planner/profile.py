@@ -109,7 +109,7 @@ class DeviceProfile:
         """
         if n <= 1 or nbytes <= 0:
             return 0.0
-        bus = _bus_bytes(kind, nbytes, n)
+        bus = bus_bytes(kind, nbytes, n)
         if kind in self.link_curve:
             groups = self.link_curve[kind]
             nearest = min(groups, key=lambda g: (abs(np.log(g / n)), -g))
@@ -317,7 +317,7 @@ def calibrate(
     for i, (kind, g) in enumerate(timed):
         chains = secs[2 + i * len(sizes) : 2 + (i + 1) * len(sizes)]
         seconds = [t / chain_length(s) for t, s in zip(chains, sizes, strict=True)]
-        bus = [_bus_bytes(kind, s, g) for s in sizes]
+        bus = [bus_bytes(kind, s, g) for s in sizes]
         # a smaller buffer never takes longer: interference only adds time, so a small size timed above a larger
         # one is noise (clipping from above keeps one slow sample from raising every larger size)
         monotone = np.minimum.accumulate(np.asarray(seconds)[::-1])[::-1]
@@ -338,7 +338,7 @@ def calibrate(
     )
 
 
-def _bus_bytes(kind: str, nbytes: float, n: int) -> float:
+def bus_bytes(kind: str, nbytes: float, n: int) -> float:
     """Bytes each device moves in a collective of ``kind`` over ``n`` devices on a full buffer of ``nbytes``."""
     return (2.0 if kind == "all_reduce" else 1.0) * (n - 1) / n * nbytes
 
