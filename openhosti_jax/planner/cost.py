@@ -5,7 +5,8 @@ the larger of two peaks: the backward's start (every saved activation, the loss'
 gradient leaf, and under ZeRO-3 the gathered full copy of each sharded leaf) and the gradient reduction (XLA's
 combiner makes it one collective whose full input and output are both live; a native reduce-scatter's output is
 the sharded gradient). Time (seconds, no overlap assumed): matmul FLOPs / peak,
-activation and optimizer-update bytes / memory bandwidth, and every collective priced per leaf by the profile's
+activation and optimizer-update bytes / memory bandwidth (measured for the step's working set: its predicted
+bytes per device), and every collective priced per leaf by the profile's
 alpha-beta model (all-reduce 2(n-1)/n, all-gather and reduce-scatter (n-1)/n of the bytes over the bandwidth).
 Gradient reductions pay one latency per kind and group: XLA's all-reduce / reduce-scatter combiners merge them
 into one op (seen in the compiled HLO), while ZeRO-3 gathers stay one per sharded leaf (gathered per use). Without
@@ -172,7 +173,7 @@ def estimate(
     flops = work.flops_per_example * b_local * (1 - split_share + split_share / t)
     mem_bytes = 2 * act + 2 * upd_param + upd_param + 2 * opt_local
     compute = flops / profile.peak_flops
-    bandwidth = mem_bytes / profile.memory_bandwidth
+    bandwidth = profile.memory_seconds(mem_bytes, memory["total"])  # a small step streams from the caches
     bubble = 1.0 + (stages - 1) / max(plan.num_microbatches, stages) if stages > 1 else 1.0
     total = (compute + bandwidth) / stages * bubble + comm_s + profile.launch_seconds
     time = {

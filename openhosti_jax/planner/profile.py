@@ -1,14 +1,15 @@
 """Device profiles for the cost model: peak FLOP/s, memory bandwidth, link alpha-beta per collective, memory size.
 
 Accelerators come from their published specs; CPU (and any unknown kind) is measured at run time by
-`calibrate`: a matmul and an elementwise op run on every device at once (so shared cores are accounted for),
-and all-reduce / all-gather / reduce-scatter at several sizes (16 KiB .. 8 MiB, and on up to the largest
-collective the model needs, `calibration_sizes`; alternated, medians) over every group size give each collective's
-measured curve (`DeviceProfile.link_curve`), and over all devices its latency (alpha) and bandwidth (beta) by a
-least-squares fit (`fit_alpha_beta`). A calibrated profile prices a collective by interpolating the curve of its
-group size, because caches and protocol switches make the bandwidth depend on the size (on this CPU the
-cross-process all-reduce bandwidth halves between 8 and 32 MiB), which one straight line cannot follow, and
-small groups meet faster than large ones. Any field can be
+`calibrate`: a matmul and in-place elementwise streaming over working sets of 512 KiB .. 32 MiB
+(`DeviceProfile.memory_curve`: small steps stream from the caches) run on every device at once (so shared cores
+and caches are accounted for), and all-reduce / all-gather / reduce-scatter at several sizes (16 KiB .. 8 MiB,
+and on up to the largest collective the model needs, `calibration_sizes`; alternated, medians) over every group
+size give each collective's measured curve (`DeviceProfile.link_curve`), and over all devices its latency
+(alpha) and bandwidth (beta) by a least-squares fit (`fit_alpha_beta`). A calibrated profile prices a collective
+by interpolating the curve of its group size, because caches and protocol switches make the bandwidth depend on
+the size (on this CPU the cross-process all-reduce bandwidth halves between 8 and 32 MiB), which one straight
+line cannot follow, and small groups meet faster than large ones. Any field can be
 overridden with `dataclasses.replace` or by passing a profile to the planner.
 
 Example:
@@ -59,6 +60,11 @@ class DeviceProfile:
     extended, on the curve of the nearest measured group size (a small group's rendezvous is cheaper: on 8
     simulated CPU devices a 32 KiB all-reduce takes ~70 us over pairs, ~180 us over all 8); empty (spec-sheet
     profiles): the alpha-beta line."""
+    memory_curve: tuple[tuple[float, float], ...] = ()
+    """Measured ``(working-set bytes per device, bytes/s)`` points of elementwise work, sizes ascending,
+    bandwidths non-increasing (a working set that fits the caches streams faster: on this CPU, with all 8
+    simulated devices busy, ~8 GB/s per device up to 2 MiB, ~6 at 8 MiB, ~4 at 32 MiB). Where given, `memory_seconds`
+    interpolates it (log scale, clamped at the ends); empty (spec-sheet profiles): ``memory_bandwidth``."""
     launch_seconds: float = 0.0
     """Seconds a program takes to start and finish on all devices, paid once per step: a calibration times each
     kernel as a program of its own and subtracts this, so a collective is priced as one op inside the step."""
@@ -94,6 +100,14 @@ class DeviceProfile:
                         f"link_curve[{kind!r}][{n!r}] must be a group size >= 2 with >= 2 (bus bytes, seconds) "
                         f"points, sizes increasing and times non-decreasing; found {points}"
                     )
+        ws, bw = np.asarray([p[0] for p in self.memory_curve], float), np.asarray([p[1] for p in self.memory_curve])
+        if self.memory_curve and (
+            len(ws) < 2 or (ws <= 0).any() or (np.diff(ws) <= 0).any() or (bw <= 0).any() or (np.diff(bw) > 0).any()
+        ):
+            problems.append(
+                "memory_curve must hold >= 2 (working-set bytes, bytes/s) points, sizes increasing and > 0, "
+                f"bandwidths > 0 and non-increasing; found {self.memory_curve}"
+            )
         if self.launch_seconds < 0:
             problems.append(f"launch_seconds={self.launch_seconds!r} must be >= 0")
         if self.link_latency < 0:
@@ -115,6 +129,14 @@ class DeviceProfile:
             nearest = min(groups, key=lambda g: (abs(np.log(g / n)), -g))
             return _interpolate(groups[nearest], bus)
         return self.link_latency + bus / self.link_bandwidth[kind]
+
+    def memory_seconds(self, nbytes: float, working_set: float) -> float:
+        """Time to stream ``nbytes`` of elementwise traffic on a device whose step touches ``working_set``
+        bytes: at the bandwidth `memory_curve` gives for that working set, or ``memory_bandwidth``."""
+        if not self.memory_curve:
+            return nbytes / self.memory_bandwidth
+        ws, bw = (np.log([p[0] for p in self.memory_curve]), np.asarray([p[1] for p in self.memory_curve]))
+        return nbytes / float(np.interp(np.log(max(working_set, 1.0)), ws, bw))
 
 
 def _interpolate(points: Sequence[tuple[float, float]], x: float) -> float:
@@ -151,6 +173,9 @@ _KIND_ALIASES = {
     "tpu v5": "TPU v5p",
 }
 
+
+MEMORY_SIZES: tuple[int, ...] = (2**19, 2**21, 2**23, 2**25)
+"""Working sets per device (512 KiB .. 32 MiB) at which `calibrate` times elementwise streaming."""
 
 CALIBRATION_SIZES: tuple[int, ...] = (2**14, 2**16, 2**18, 2**20, 2**21, 2**23)
 """Per-device buffer bytes (16 KiB .. 8 MiB) at which `calibrate` times each collective."""
@@ -285,12 +310,12 @@ def calibrate(
         g = jax.jit(jax.shard_map(lambda *a: f(*(x[0] for x in a))[None], mesh=mesh, in_specs=spec, out_specs=spec))
         return lambda: g(*xs)
 
-    m, k = 512, 2**20
+    m = 512
     kernels = [
         on_all(lambda a: a + 1.0, (1,)),  # the launch: a program that does (almost) nothing
         on_all(lambda a, b: a @ b, (m, m), (m, m)),
-        on_all(lambda a, b: a * 1.5 + b, (k,), (k,)),
     ]
+    kernels += [on_all(_stream(stream_length(ws)), (ws // 8,), (ws // 8,)) for ws in MEMORY_SIZES]
     groups = [g for g in range(2, n + 1) if n % g == 0]
     sizes = sorted({s // (4 * n) * 4 * n for s in sizes})
     timed = [(kind, g) for kind in COLLECTIVES for g in groups]
@@ -300,7 +325,11 @@ def calibrate(
     raw = _agreed_seconds(_alternated_medians(kernels, reps, sync))
     launch = raw[0]
     secs = [max(t - launch, 1e-7) for t in raw[1:]]  # each kernel's own time, as one op of a step
-    flops, mem_bw = 2 * m**3 / secs[0], 3 * 4 * k / secs[1]
+    flops = 2 * m**3 / secs[0]
+    streamed = [1.5 * ws * stream_length(ws) / t for ws, t in zip(MEMORY_SIZES, secs[1:], strict=False)]
+    # a smaller working set never streams slower (only dispatch and noise make it look so)
+    memory = tuple(zip(map(float, MEMORY_SIZES), np.maximum.accumulate(streamed[::-1])[::-1].tolist(), strict=True))
+    mem_bw = memory[-1][1]
     name, native_rs = f"{devices[0].platform} (measured)", devices[0].platform != "cpu"
     if n == 1:
         return DeviceProfile(
@@ -309,13 +338,15 @@ def calibrate(
             mem_bw,
             dict.fromkeys(COLLECTIVES, 1e12),
             0.0,
+            memory_curve=memory,
             launch_seconds=launch,
             native_reduce_scatter=native_rs,
         )
     bandwidth, latencies = {}, []
     curves: dict[str, dict[int, tuple[tuple[float, float], ...]]] = {kind: {} for kind in COLLECTIVES}
     for i, (kind, g) in enumerate(timed):
-        chains = secs[2 + i * len(sizes) : 2 + (i + 1) * len(sizes)]
+        first = 1 + len(MEMORY_SIZES) + i * len(sizes)
+        chains = secs[first : first + len(sizes)]
         seconds = [t / chain_length(s) for t, s in zip(chains, sizes, strict=True)]
         bus = [bus_bytes(kind, s, g) for s in sizes]
         # a smaller buffer never takes longer: interference only adds time, so a small size timed above a larger
@@ -333,6 +364,7 @@ def calibrate(
         bandwidth,
         float(np.median(latencies)),
         link_curve=curves,
+        memory_curve=memory,
         launch_seconds=launch,
         native_reduce_scatter=native_rs,
     )
@@ -382,6 +414,23 @@ def _chain(kind: str, length: int) -> Callable[[jax.Array], jax.Array]:
                 out = jax.lax.psum_scatter(a, "d", tiled=True)
                 a = out if last else jnp.tile(out, a.shape[0] // out.shape[0])
         return a
+
+    return f
+
+
+def stream_length(working_set: int) -> int:
+    """Iterations of the streaming kernel timed at ``working_set`` bytes per device: ~16 MiB of traffic per
+    device (each iteration reads two buffers and writes one, 1.5x the working set), at most 64, and at least 4,
+    because the loop's first write fills a fresh buffer (page faults) where a step's donated state does not."""
+    return int(np.clip(2**24 // working_set, 4, 64))
+
+
+def _stream(length: int) -> Callable[[jax.Array, jax.Array], jax.Array]:
+    """``a <- a * c + b``, ``length`` times in a loop: elementwise traffic over a working set of ``a`` and ``b``
+    that stays in place, as a step's donated state and reused temporaries do."""
+
+    def f(a: jax.Array, b: jax.Array) -> jax.Array:
+        return jax.lax.fori_loop(0, length, lambda _, x: x * 1.0001 + b, a)
 
     return f
 
