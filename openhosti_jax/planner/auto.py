@@ -25,13 +25,23 @@ from openhosti_jax.mesh.config import MeshConfig
 from openhosti_jax.planner.plan import ShardingPlan
 from openhosti_jax.planner.profile import DeviceProfile
 from openhosti_jax.planner.profile import device_profile as resolve_profile
-from openhosti_jax.planner.refine import time_plans
+from openhosti_jax.planner.refine import measured_order, time_plans
 from openhosti_jax.planner.report import format_bytes
 from openhosti_jax.planner.rules import DEFAULT_RULES, Rules
-from openhosti_jax.planner.search import candidate_lines, enumerate_candidates, gradient_bytes, rank, search, why
+from openhosti_jax.planner.search import (
+    TIE,
+    candidate_lines,
+    enumerate_candidates,
+    gradient_bytes,
+    rank,
+    search,
+    why,
+)
 from openhosti_jax.planner.verify import compiled_step_bytes, default_step
 from openhosti_jax.planner.workload import workload
 
+REFINE_TIMING = {"steps": 4, "rounds": 6}
+"""Steps per round and alternated rounds `time_plans` runs for each candidate ``refine`` times."""
 VERIFY_TRIES = 3
 """Candidates compiled at most when the compiled bytes of the first exceed the budget."""
 
@@ -60,7 +70,8 @@ def plan(
     model output as loss). ``pipeline`` adds the ``stage`` axis to the search (scored, not compiled).
     ``device_profile``: a `DeviceProfile` or a `PROFILES` name; default spec sheet or CPU calibration.
     ``refine``: compile and time the ``refine`` best predicted candidates for a few real steps and pick the
-    fastest measured (`refine.time_plans`; needs ``verify``; the timings are listed in ``plan.notes``).
+    fastest measured unless it beats the predicted winner by less than `search.TIE` (`refine.time_plans`; needs
+    ``verify``; the timings are listed in ``plan.notes``).
     Raises `MemoryBudgetError` when nothing fits, naming the smallest achievable memory.
     """
     if not isinstance(refine, int) or refine < 0:
@@ -79,8 +90,10 @@ def plan(
     can_compile = verify and (step_fn is not None or work.apply_fn is not None)
     if refine and can_compile:
         top = [s for s in ranked[:refine] if s.plan.pipeline_stages == 1]
-        measured = time_plans([s.plan for s in top], work, optimizer, step_fn or default_step, devices, sample_batch)
-        by_time = sorted(zip(measured, top, strict=True), key=lambda m: m[0])
+        measured = time_plans(
+            [s.plan for s in top], work, optimizer, step_fn or default_step, devices, sample_batch, **REFINE_TIMING
+        )
+        by_time = [(measured[i], top[i]) for i in measured_order(measured, TIE)]
         ranked = [s for _, s in by_time] + [s for s in ranked if s not in top]
         notes.insert(
             0,
