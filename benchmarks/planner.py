@@ -61,7 +61,7 @@ def main() -> None:
     dp = next(s.plan for s in scored if s.candidate.label == "data=8 zero0")
     plans = [s.plan for s in scored] + [dp]  # the last: a second instance of plain DP, the noise floor
     seconds = time_plans(plans, work, tx, gpt_step, jax.devices(), batch, steps=STEPS, rounds=ROUNDS)
-    med = {s.candidate.label: t for s, t in zip(scored, seconds, strict=False)}
+    med = {s.candidate.label: t for s, t in zip(scored, seconds[:-1], strict=True)}
     twins = (med["data=8 zero0"], seconds[-1])
 
     def label(p):

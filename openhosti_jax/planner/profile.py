@@ -135,8 +135,8 @@ class DeviceProfile:
         bytes: at the bandwidth `memory_curve` gives for that working set, or ``memory_bandwidth``."""
         if not self.memory_curve:
             return nbytes / self.memory_bandwidth
-        ws, bw = (np.log([p[0] for p in self.memory_curve]), np.asarray([p[1] for p in self.memory_curve]))
-        return nbytes / float(np.interp(np.log(max(working_set, 1.0)), ws, bw))
+        ws, bw = np.asarray(self.memory_curve, float).T
+        return nbytes / float(np.interp(np.log(max(working_set, 1.0)), np.log(ws), bw))
 
 
 def _interpolate(points: Sequence[tuple[float, float]], x: float) -> float:
@@ -326,7 +326,9 @@ def calibrate(
     launch = raw[0]
     secs = [max(t - launch, 1e-7) for t in raw[1:]]  # each kernel's own time, as one op of a step
     flops = 2 * m**3 / secs[0]
-    streamed = [1.5 * ws * stream_length(ws) / t for ws, t in zip(MEMORY_SIZES, secs[1:], strict=False)]
+    streamed = [
+        1.5 * ws * stream_length(ws) / t for ws, t in zip(MEMORY_SIZES, secs[1 : 1 + len(MEMORY_SIZES)], strict=True)
+    ]
     # a smaller working set never streams slower (only dispatch and noise make it look so)
     memory = tuple(zip(map(float, MEMORY_SIZES), np.maximum.accumulate(streamed[::-1])[::-1].tolist(), strict=True))
     mem_bw = memory[-1][1]
