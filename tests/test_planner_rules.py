@@ -119,27 +119,24 @@ def test_memory_curve_prices_a_working_set_at_its_own_bandwidth():
 
 
 @pytest.mark.timeout(120)
-def test_calibrated_memory_curve_prices_a_cache_resident_adam_update():
-    """An Adam update over a 512 KiB working set per device (all 8 devices at once, 32 times in a loop) runs at
-    cache speed: the calibrated curve prices it closer to its measured time than the large-buffer bandwidth."""
+def test_calibrated_memory_curve_prices_a_cache_resident_loop():
+    """``x <- x/2 + b*b`` over a 1 MiB working set per device (between two calibrated sizes; all 8 devices at
+    once, 32 times in a loop) runs at cache speed: the calibrated curve prices it closer to its measured time
+    than the large-buffer bandwidth. (An Adam loop is not used: its several fusions per iteration cost dispatch
+    the memory term does not model, ~50 us each here.)"""
     devices = jax.devices()
     p = calibrate(devices, reps=5, sizes=(2**16, 2**18))
-    n, k, loops = len(devices), 2**15, 32  # parameter, gradient and two moments: 16 bytes per element
+    n, k, loops = len(devices), 2**17, 32  # x and b: 8 bytes per element
     mesh = Mesh(np.asarray(devices, dtype=object), ("d",), axis_types=(AxisType.Explicit,))
 
-    def adam(w, g, m, v):
-        def body(_, c):
-            w, m, v = c
-            m, v = 0.9 * m + 0.1 * g, 0.999 * v + 0.001 * g * g
-            return w - 1e-3 * m * jax.lax.rsqrt(v + 1e-8), m, v
+    def loop(x, b):
+        return jax.lax.fori_loop(0, loops, lambda _, x: 0.5 * x + b * b, x)
 
-        return jax.lax.fori_loop(0, loops, body, (w, m, v))[0]
-
-    f = jax.jit(jax.shard_map(adam, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
-    xs = [jax.device_put(np.ones((n * k,), np.float32), NamedSharding(mesh, P("d"))) for _ in range(4)]
+    f = jax.jit(jax.shard_map(loop, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+    xs = [jax.device_put(np.ones((n * k,), np.float32), NamedSharding(mesh, P("d"))) for _ in range(2)]
     (measured,) = _alternated_medians([lambda: f(*xs)], 11)
-    traffic = 7 * 4 * k  # reads w, g, m, v; writes w, m, v
-    curve = p.launch_seconds + loops * p.memory_seconds(traffic, 16 * k)
+    traffic = 3 * 4 * k  # reads x, b; writes x
+    curve = p.launch_seconds + loops * p.memory_seconds(traffic, 8 * k)
     flat = p.launch_seconds + loops * traffic / p.memory_bandwidth
     assert p.memory_curve[0][1] > p.memory_bandwidth
     assert abs(curve - measured) < abs(flat - measured), (measured, curve, flat)
