@@ -56,6 +56,17 @@ def test_tensor_parallel_memory_matches_compiled(shape):
     assert 0.9 < s.estimate.bytes / compiled < 1.1, (s.estimate.memory, compiled)
 
 
+@pytest.mark.timeout(120)
+def test_refine_with_only_pipelined_candidates_on_top_times_nothing():
+    """A budget only pipelined meshes fit (the plain step has no stage axis to time): refine= says so."""
+    init_fn, tx, batch = example_inputs("gpt-tiny")
+    p = plan(
+        init_fn, tx, batch, memory_budget=1_600_000, pipeline=True, refine=2, step_fn=gpt_step, device_profile="H100"
+    )
+    assert p.pipeline_stages > 1 and p.compiled_bytes is None
+    assert p.notes[0] == "refined: none of the top 2 predicted is unpipelined, so none was timed"
+
+
 def test_measured_order_keeps_the_predicted_winner_inside_the_tie_band():
     assert measured_order([10.0, 9.85, 11.0], 0.02) == [0, 1, 2]
     assert measured_order([10.0, 11.0, 9.7], 0.02) == [2, 0, 1]
