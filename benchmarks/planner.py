@@ -39,6 +39,7 @@ NAME = sys.argv[1] if len(sys.argv) > 1 else "gpt-tiny"
 ROUNDS, STEPS = 40, 4
 REFINE = 3  # candidates the refined plan compiles and times
 CONFIRM = 3  # fastest candidates of the screening pass timed again in the confirmation pass
+DP = "data=8 zero0"  # plain replicated data parallel
 
 
 def main() -> None:
@@ -64,13 +65,17 @@ def main() -> None:
         state, p = create_train_state(init_fn, tx, mesh, plan=s.plan)
         compiled = memory_bytes(spmd(gpt_step, mesh=mesh, plan=p).lower(state, tokens).compile())
         ratios[s.candidate.label] = s.estimate.bytes / compiled if compiled else None
-    # the same alternated timing the planner's refine= uses, over every candidate
     by_label = {s.candidate.label: s.plan for s in scored}
-    dp = by_label["data=8 zero0"]
-    plans = [s.plan for s in scored] + [dp]  # the last: a second instance of plain DP, the noise floor
-    seconds = time_plans(plans, work, tx, gpt_step, jax.devices(), batch, steps=STEPS, rounds=ROUNDS)
-    med = {s.candidate.label: t for s, t in zip(scored, seconds[:-1], strict=True)}
-    twins = (med["data=8 zero0"], seconds[-1])
+
+    def timed(labels):
+        """The same alternated timing the planner's refine= uses, over ``labels`` and a second instance of plain
+        DP (own step and state): median seconds by label, and slower / faster DP instance (the noise floor)."""
+        plans = [by_label[k] for k in labels] + [by_label[DP]]
+        seconds = time_plans(plans, work, tx, gpt_step, jax.devices(), batch, steps=STEPS, rounds=ROUNDS)
+        med = dict(zip(labels, seconds[:-1], strict=True))
+        return med, max(med[DP], seconds[-1]) / min(med[DP], seconds[-1])
+
+    med, floor = timed(list(by_label))
 
     def label(p):
         return next(
@@ -81,13 +86,8 @@ def main() -> None:
 
     winner, refined_winner = label(chosen), label(refined)
     best = min(med, key=med.get)
-    # confirmation: the nominees again, fresh instances, their own alternated rounds (plus a DP twin)
-    nominees = list(dict.fromkeys([*sorted(med, key=med.get)[:CONFIRM], winner, refined_winner, "data=8 zero0"]))
-    again = time_plans(
-        [by_label[k] for k in nominees] + [dp], work, tx, gpt_step, jax.devices(), batch, steps=STEPS, rounds=ROUNDS
-    )
-    conf = dict(zip(nominees, again[:-1], strict=True))
-    conf_twins = (conf["data=8 zero0"], again[-1])
+    # confirmation: the nominees again, fresh instances, in their own alternated rounds
+    conf, conf_floor = timed(list(dict.fromkeys([*sorted(med, key=med.get)[:CONFIRM], winner, refined_winner, DP])))
     conf_best = min(conf, key=conf.get)
     out = {
         "model": f"{NAME}: {cfg.num_params()} params, batch {n}x{cfg.seq_len}",
@@ -95,15 +95,15 @@ def main() -> None:
         "choice": winner,
         "fastest_measured": conf_best,
         "choice_over_best_candidate": conf[winner] / conf[conf_best],
-        "replicated_dp_over_choice": conf["data=8 zero0"] / conf[winner],
+        "replicated_dp_over_choice": conf[DP] / conf[winner],
         "refined_choice": refined_winner,
         "refined_choice_over_best_candidate": conf[refined_winner] / conf[conf_best],
-        "replicated_dp_over_refined_choice": conf["data=8 zero0"] / conf[refined_winner],
-        "identical_plans_ratio": max(conf_twins) / min(conf_twins),
+        "replicated_dp_over_refined_choice": conf[DP] / conf[refined_winner],
+        "identical_plans_ratio": conf_floor,
         "screening_fastest": best,
         "screening_choice_over_best_candidate": med[winner] / med[best],
-        "screening_replicated_dp_over_choice": med["data=8 zero0"] / med[winner],
-        "screening_identical_plans_ratio": max(twins) / min(twins),
+        "screening_replicated_dp_over_choice": med[DP] / med[winner],
+        "screening_identical_plans_ratio": floor,
         "planning_seconds": planning_s,
         "refined_planning_seconds": refine_s,
         "calibration_seconds": calibration_s,

@@ -88,9 +88,11 @@ def plan(
         notes.append("no apply function: activations and FLOPs unknown, chosen on state memory and traffic")
     winner = ranked[0].plan
     can_compile = verify and (step_fn is not None or work.apply_fn is not None)
-    top = [s for s in ranked[:refine] if s.plan.pipeline_stages == 1] if refine and can_compile else []
-    if refine and can_compile and not top:
-        notes.insert(0, f"refined: none of the top {refine} predicted is unpipelined, so none was timed")
+    top = []
+    if refine and can_compile:
+        top = [s for s in ranked[:refine] if s.plan.pipeline_stages == 1]
+        if not top:
+            notes.insert(0, f"refined: none of the top {refine} predicted is unpipelined, so none was timed")
     if top:
         measured = time_plans(
             [s.plan for s in top], work, optimizer, step_fn or default_step, devices, sample_batch, **REFINE_TIMING
