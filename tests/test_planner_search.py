@@ -1,5 +1,7 @@
 """Planner search: budget-driven ZeRO choice, typed error when nothing fits, AOT-verified plan, report."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -8,7 +10,7 @@ from flax import nnx
 
 from openhosti_jax.errors import MemoryBudgetError
 from openhosti_jax.planner import PROFILES, plan
-from openhosti_jax.planner.search import enumerate_candidates, search
+from openhosti_jax.planner.search import TIE, enumerate_candidates, rank, search
 from openhosti_jax.planner.workload import workload
 
 
@@ -67,6 +69,39 @@ def test_budget_excluding_zero01_picks_2_or_3_and_loose_budget_picks_lower():
     )
     assert loose.zero_stage < tight.zero_stage
     assert loose.predicted_seconds <= min(x.estimate.seconds for x in s) * 1.02 + 1e-12
+
+
+def test_ties_go_to_lower_stage_then_less_memory_and_the_rest_by_time():
+    """Inside the tie band: lowest ZeRO stage, then smallest predicted memory; outside it: predicted time only."""
+
+    def with_cost(s, seconds, nbytes):
+        est = s.estimate
+        time = {**est.time, "total": seconds}
+        memory = {**est.memory, "total": float(nbytes)}
+        return dataclasses.replace(s, estimate=dataclasses.replace(est, time=time, memory=memory))
+
+    by_label = {s.candidate.label: s for s in scored()}
+    best = 1.0
+    cands = [
+        with_cost(by_label["data=4 fsdp=2 zero1"], best, 300),  # fastest predicted, most memory
+        with_cost(by_label["data=2 fsdp=4 zero1"], best * (1 + TIE / 2), 200),
+        with_cost(by_label["fsdp=8 zero1"], best * (1 + TIE), 100),  # least memory, at the band's edge
+        with_cost(by_label["data=2 fsdp=4 zero2"], best * (1 + TIE / 4), 50),  # a higher stage: after stage 1
+        with_cost(by_label["fsdp=8 zero3"], best * (1 + 3 * TIE), 10),  # outside the band
+        with_cost(by_label["fsdp=8 zero2"], best * (1 + 2 * TIE), 20),
+    ]
+    order = [s.candidate.label for s in rank(cands, None)]
+    assert order == [
+        "fsdp=8 zero1",
+        "data=2 fsdp=4 zero1",
+        "data=4 fsdp=2 zero1",
+        "data=2 fsdp=4 zero2",
+        "fsdp=8 zero2",
+        "fsdp=8 zero3",
+    ]
+    with_dp = [with_cost(by_label["data=8 zero0"], best * (1 + TIE / 2), 1000), *cands]
+    assert rank(with_dp, None)[0].candidate.label == "data=8 zero0"  # the lowest stage in the band wins
+    assert rank(with_dp, 150)[0].candidate.label == "fsdp=8 zero1"  # unless the budget excludes it
 
 
 def test_nothing_fits_raises_with_smallest_achievable():

@@ -3,8 +3,9 @@
 Candidates factor the device count over ``data`` / ``fsdp`` / ``tensor`` (and ``stage`` when pipelining). ZeRO
 stage 0 uses ``data`` only; stages 1-3 shard over ``fsdp`` and replicate over ``data`` (hybrid sharding when both
 are > 1), so every candidate is a distinct placement. The winner is the fastest predicted candidate whose
-predicted memory fits the budget; candidates within 2% of it count as ties, broken by the lower ZeRO stage, then
-the smaller tensor axis.
+predicted memory fits the budget; candidates within 2% of it count as ties (closer than the model can rank),
+broken by the lower ZeRO stage, then the smaller tensor axis, then the smaller predicted memory (headroom for a
+larger microbatch), then the predicted time. The rest follow by predicted time.
 
 Example:
     >>> from openhosti_jax.planner.search import enumerate_candidates
@@ -170,8 +171,9 @@ def search(
 
 
 def _key(s: Scored, best: float) -> tuple:
-    tied = s.estimate.seconds <= best * (1 + TIE)
-    return (not tied, s.candidate.zero_stage if tied else 0, s.candidate.mesh_shape["tensor"], s.estimate.seconds)
+    if s.estimate.seconds > best * (1 + TIE):
+        return (1, 0, 0, 0, s.estimate.seconds)
+    return (0, s.candidate.zero_stage, s.candidate.mesh_shape["tensor"], s.estimate.bytes, s.estimate.seconds)
 
 
 def rank(scored: Sequence[Scored], memory_budget: int | None) -> list[Scored]:
@@ -204,7 +206,7 @@ def why(ranked: Sequence[Scored], scored: Sequence[Scored], memory_budget: int |
         ratio = nxt.estimate.seconds / max(win.estimate.seconds, 1e-12)
         notes.append(
             f"runner-up {nxt.candidate.label}: {ratio:.2f}x the predicted time"
-            + (" (a tie, lower ZeRO stage preferred)" if ratio <= 1 + TIE else "")
+            + (" (a tie: lower ZeRO stage, smaller tensor axis, less memory preferred)" if ratio <= 1 + TIE else "")
         )
     return tuple(notes)
 
