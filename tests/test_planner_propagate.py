@@ -9,8 +9,8 @@ from openhosti_jax.mesh import MeshConfig, build_mesh
 from openhosti_jax.planner import PROFILES, plan
 from openhosti_jax.planner.demo import example_inputs, gpt_step
 from openhosti_jax.planner.propagate import propagate
-from openhosti_jax.planner.refine import measured_order
-from openhosti_jax.planner.search import TIE, Candidate, score
+from openhosti_jax.planner.refine import MEASURED_TIE, measured_order
+from openhosti_jax.planner.search import Candidate, score
 from openhosti_jax.planner.verify import compiled_step_bytes
 from openhosti_jax.planner.workload import workload
 
@@ -76,7 +76,7 @@ def test_measured_order_keeps_the_predicted_winner_inside_the_tie_band():
 
 @pytest.mark.timeout(300)
 def test_refine_times_top_candidates_and_keeps_the_fastest_beyond_the_tie_band():
-    """The fastest measured of the top 2 wins only if it beats the predicted winner by more than TIE."""
+    """The fastest measured of the top 2 wins only if it beats the predicted winner by more than MEASURED_TIE."""
     init_fn, tx, batch = example_inputs("gpt-tiny")
     predicted = plan(init_fn, optax.adam(1e-3), batch, verify=False, device_profile="H100")
     p = plan(init_fn, optax.adam(1e-3), batch, refine=2, step_fn=gpt_step, device_profile="H100")
@@ -86,7 +86,10 @@ def test_refine_times_top_candidates_and_keeps_the_fastest_beyond_the_tie_band()
     picked = note.split("picked ", 1)[1].split(";")[0]
     first = next(label for label in ms if predicted.candidates[0].startswith(label + " "))
     fastest = min(ms, key=ms.get)
-    assert len(ms) == 2 and picked == (fastest if ms[fastest] < ms[first] * (1 - TIE) else first), (note, first)
+    assert len(ms) == 2 and picked == (fastest if ms[fastest] < ms[first] * (1 - MEASURED_TIE) else first), (
+        note,
+        first,
+    )
     assert all(f"{a}={n}" in picked for a, n in p.mesh_shape.items() if n > 1) and picked.endswith(
         f"zero{p.zero_stage}"
     )

@@ -25,11 +25,10 @@ from openhosti_jax.mesh.config import MeshConfig
 from openhosti_jax.planner.plan import ShardingPlan
 from openhosti_jax.planner.profile import DeviceProfile
 from openhosti_jax.planner.profile import device_profile as resolve_profile
-from openhosti_jax.planner.refine import measured_order, time_plans
+from openhosti_jax.planner.refine import MEASURED_TIE, measured_order, time_plans
 from openhosti_jax.planner.report import format_bytes
 from openhosti_jax.planner.rules import DEFAULT_RULES, Rules
 from openhosti_jax.planner.search import (
-    TIE,
     candidate_lines,
     enumerate_candidates,
     gradient_bytes,
@@ -70,8 +69,8 @@ def plan(
     model output as loss). ``pipeline`` adds the ``stage`` axis to the search (scored, not compiled).
     ``device_profile``: a `DeviceProfile` or a `PROFILES` name; default spec sheet or CPU calibration.
     ``refine``: compile and time the ``refine`` best predicted candidates for a few real steps and pick the
-    fastest measured unless it beats the predicted winner by less than `search.TIE` (`refine.time_plans`; needs
-    ``verify``; the timings are listed in ``plan.notes``).
+    fastest measured unless it beats the predicted winner by less than `refine.MEASURED_TIE`
+    (`refine.time_plans`; needs ``verify``; the timings are listed in ``plan.notes``).
     Raises `MemoryBudgetError` when nothing fits, naming the smallest achievable memory.
     """
     if not isinstance(refine, int) or refine < 0:
@@ -97,7 +96,7 @@ def plan(
         measured = time_plans(
             [s.plan for s in top], work, optimizer, step_fn or default_step, devices, sample_batch, **REFINE_TIMING
         )
-        by_time = [(measured[i], top[i]) for i in measured_order(measured, TIE)]
+        by_time = [(measured[i], top[i]) for i in measured_order(measured, MEASURED_TIE)]
         ranked = [s for _, s in by_time] + [s for s in ranked if s not in top]
         notes.insert(
             0,

@@ -1,6 +1,6 @@
 """Measured refinement: compile the top predicted candidates, time real steps of each, keep the fastest.
 
-The fastest replaces the predicted winner only by a lead beyond the search's tie band (`measured_order`).
+The fastest replaces the predicted winner only by a lead beyond `MEASURED_TIE` (`measured_order`).
 
 The cost model ranks every candidate in milliseconds of Python; `time_plans` then spends compiles on the few
 best (Alpa / autotuning style). State is built directly in its shards (parameters zero-filled: step time does
@@ -34,6 +34,9 @@ from openhosti_jax.planner.plan import ShardingPlan
 from openhosti_jax.planner.verify import StepFn, abstract_state
 from openhosti_jax.planner.workload import Workload
 from openhosti_jax.state.train_state import TrainState
+
+MEASURED_TIE = 0.02
+"""A measured lead under this fraction is noise: identical plans time 1-5% apart on a busy CPU host."""
 
 
 def _zeros(tree: Any) -> Any:
