@@ -41,8 +41,8 @@ from openhosti_jax.planner.workload import ApplyFn, Workload, measure
 
 TIE = 0.01
 """Predicted times within this fraction of the best are ties. The model resolves more than this: on gpt it put
-plain DP 2-5% behind the best zero1 mesh in four runs, and DP measured 3-5.5% behind; but a CPU calibration's
-noise flips the order of candidates predicted under 1% apart (data=2 fsdp=4 vs data=4 fsdp=2 zero1)."""
+plain DP 1.8-5.2% behind the best zero1 mesh in five calibrations, and DP measured 0.4-5.5% behind; but a CPU
+calibration's noise flips the order of candidates predicted under 1% apart (data=2 fsdp=4 vs data=4 fsdp=2)."""
 
 
 @dataclasses.dataclass(frozen=True)
