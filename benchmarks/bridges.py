@@ -11,7 +11,7 @@ Prints one JSON object on its last line (keys in /work/shared/BENCHMARKS.md):
   microseconds per batch: the DataLoader iterated bare (``dataloader_us``), the TorchLoader without a mesh
   minus that (``adapter_us``; the adapter drives a single-process loader directly, without the DataLoader's
   iterator), the native source without placement (``native_source_us``), and the placement on the mesh
-  (``placement_us``, the same `to_global_batch` for both).
+  (``placement_us``, the same `place_batch` for both).
 Runs alternate A and B in one process; loader ratios are medians over rounds of the ratio within a round.
 """
 
@@ -29,8 +29,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, TensorDataset  # noqa: E402
 
-from openhosti_jax.bridges import PermutationBatchSampler, TorchLoader, to_global_batch, to_jax, to_torch  # noqa: E402
+from openhosti_jax.bridges import PermutationBatchSampler, TorchLoader, to_jax, to_torch  # noqa: E402
 from openhosti_jax.data import ArrayDataset  # noqa: E402
+from openhosti_jax.sharding import place_batch  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -98,7 +99,7 @@ def loader_ratios(rounds: int = 15, batches: int = 40) -> dict[str, float]:
         return batches / (time.perf_counter() - t0)
 
     def native():
-        return (to_global_batch(b, mesh, spec) for b in ArrayDataset({"x": x, "y": y}, batch, seed=1))
+        return (place_batch(b, mesh, spec) for b in ArrayDataset({"x": x, "y": y}, batch, seed=1))
 
     def batch_sampler(data: Dataset):
         return BatchSampler(RandomSampler(data, generator=torch.Generator()), batch, drop_last=True)

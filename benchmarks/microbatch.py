@@ -33,10 +33,10 @@ from openhosti_jax.mesh import MeshConfig, build_mesh  # noqa: E402
 from openhosti_jax.microbatch import (  # noqa: E402
     compile_bound,
     compiled_peak_bytes,
-    divisors,
     find_microbatch,
     make_train_step,
 )
+from openhosti_jax.sizes import divisors  # noqa: E402
 from openhosti_jax.state import TrainState  # noqa: E402
 
 PER_DEVICE, WIDTH, LAYERS, MARGIN = 256, 64, 4, 0.1

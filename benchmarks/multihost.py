@@ -7,7 +7,7 @@ Every run goes through `launch_local` (127.0.0.1, gloo collectives).
 * Step time: `examples/multihost_worker.py` trains the demo GPT with FSDP over 8 devices, once as 1 process x 8
   devices and once as 2 processes x 4; the median step time after the compile steps is compared.
 * All-reduce: 2 processes x 1 device, so every byte crosses the process boundary. In each of ROUNDS alternating
-  rounds the planner's cost model (`openhosti_jax.planner.profile.calibrate`) is calibrated in this 2-process
+  rounds the planner's cost model (`openhosti_jax.planner.calibrate.calibrate`) is calibrated in this 2-process
   setting as the planner calibrates for a model whose gradient is TOP bytes (`calibration_sizes(TOP)`: 64 KiB
   .. 8 MiB, then sqrt(2) steps to 32 MiB; alternated, medians); its predictions for all-reduces of OFF_LADDER
   sizes (3, 12 and 24 MiB, none a calibration point, so they test the interpolation) are compared with medians
@@ -45,7 +45,7 @@ def allreduce_worker() -> None:
     from jax.sharding import AxisType, Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from openhosti_jax.planner.profile import _alternated_medians, calibrate, calibration_sizes
+    from openhosti_jax.planner.calibrate import alternated_medians, calibrate, calibration_sizes
 
     ladder = calibration_sizes(TOP)
     assert not set(OFF_LADDER) & set(ladder) and max(OFF_LADDER) < ladder[-1], (OFF_LADDER, ladder)
@@ -63,7 +63,7 @@ def allreduce_worker() -> None:
     for _ in range(ROUNDS):
         profile = calibrate(devices, reps=7, sizes=ladder)
         short = calibrate(devices, reps=7)  # the default ladder, up to 8 MiB: extrapolates to TOP
-        measured = _alternated_medians([*(lambda x=x: f(x) for x in xs), lambda: f(top)], 7, lambda: f(tiny))
+        measured = alternated_medians([*(lambda x=x: f(x) for x in xs), lambda: f(top)], 7, lambda: f(tiny))
         rounds.append(
             {
                 "measured_s": measured[:-1],

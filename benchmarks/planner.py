@@ -25,15 +25,14 @@ import time  # noqa: E402
 import jax  # noqa: E402
 
 from openhosti_jax.mesh import MeshConfig, build_mesh  # noqa: E402
+from openhosti_jax.models.examples import EXAMPLES, example_inputs, gpt_step  # noqa: E402
 from openhosti_jax.models.gpt import make_corpus  # noqa: E402
-from openhosti_jax.planner import calibrate, plan  # noqa: E402
-from openhosti_jax.planner.demo import EXAMPLES, example_inputs, gpt_step  # noqa: E402
+from openhosti_jax.planner import calibrate, choose_plan  # noqa: E402
 from openhosti_jax.planner.refine import time_plans  # noqa: E402
 from openhosti_jax.planner.search import enumerate_candidates, search  # noqa: E402
-from openhosti_jax.planner.verify import memory_bytes  # noqa: E402
 from openhosti_jax.planner.workload import workload  # noqa: E402
-from openhosti_jax.state import create_train_state  # noqa: E402
-from openhosti_jax.train import spmd  # noqa: E402
+from openhosti_jax.state import memory_bytes  # noqa: E402
+from openhosti_jax.train import create_train_state, spmd  # noqa: E402
 
 NAME = sys.argv[1] if len(sys.argv) > 1 else "gpt-tiny"
 ROUNDS, STEPS = 40, 4
@@ -50,10 +49,12 @@ def main() -> None:
     calibration_s = time.perf_counter() - t
 
     t = time.perf_counter()
-    chosen = plan(init_fn, tx, batch, memory_budget=None, verify=False, device_profile=profile)
+    chosen, _ = choose_plan(init_fn, tx, batch, memory_budget=None, verify=False, device_profile=profile)
     planning_s = time.perf_counter() - t
     t = time.perf_counter()
-    refined = plan(init_fn, tx, batch, memory_budget=None, step_fn=gpt_step, device_profile=profile, refine=REFINE)
+    refined, _ = choose_plan(
+        init_fn, tx, batch, memory_budget=None, step_fn=gpt_step, device_profile=profile, refine=REFINE
+    )
     refine_s = time.perf_counter() - t
 
     work = workload(init_fn, batch)
@@ -91,7 +92,7 @@ def main() -> None:
     conf_best = min(conf, key=conf.get)
     out = {
         "model": f"{NAME}: {cfg.num_params()} params, batch {n}x{cfg.seq_len}",
-        "default_mode": "cost model only (plan(..., refine=0), no compiles)",
+        "default_mode": "cost model only (choose_plan(..., refine=0), no compiles)",
         "choice": winner,
         "fastest_measured": conf_best,
         "choice_over_best_candidate": conf[winner] / conf[conf_best],

@@ -102,7 +102,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     from openhosti_jax.mesh import MeshConfig, build_mesh
     from openhosti_jax.models.gpt import GPTConfig
     from openhosti_jax.models.gpt_job import GPTJob, build_job
-    from openhosti_jax.planner.report import format_plan
     from openhosti_jax.report.memory import plan_record
     from openhosti_jax.report.rundir import METRICS, PLAN_JSON, PLAN_TXT, write_json
     from openhosti_jax.train import Trainer, TrainerCheckpoint
@@ -124,16 +123,15 @@ def cmd_train(args: argparse.Namespace) -> int:
         print_plan=False,
     )
     mesh = build_mesh(MeshConfig(data=1, fsdp=-1), devices)
-    state, plan, step, data = build_job(job, mesh)
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state.params)
-    text = format_plan(plan, abstract)
+    state, _, step, data = build_job(job, mesh)
+    text = str(step.report)
     print(text)
     if run_dir:
         os.makedirs(run_dir, exist_ok=True)
         Path(run_dir, PLAN_TXT).write_text(text + "\n")
         batch = {"tokens": jax.ShapeDtypeStruct((job.global_batch, model.seq_len), jax.numpy.int32)}
         compiled = step.lower(state, batch).compile()
-        write_json(run_dir, PLAN_JSON, plan_record(plan, state, compiled))
+        write_json(run_dir, PLAN_JSON, plan_record(step.report, state, compiled))
     checkpoint = None
     if ckpt_dir:
         checkpoint = TrainerCheckpoint(os.path.abspath(ckpt_dir), every_steps=args.checkpoint_every)
@@ -156,8 +154,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     """Print the planner's report for a bundled example model."""
     devices = _use_devices(args.devices, args.accelerator)
-    plan_example = _import("openhosti_jax.planner.demo", "plan_example")
-    _, report = plan_example(args.example, devices=devices, memory_budget=args.memory_budget)
+    plan_example = _import("openhosti_jax.models.examples", "plan_example")
+    _, report, header = plan_example(args.example, devices=devices, memory_budget=args.memory_budget)
+    print(header)
     print(report)
     return EXIT_OK
 

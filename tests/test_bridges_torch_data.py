@@ -1,4 +1,4 @@
-"""TorchLoader and to_global_batch: same batches as numpy slicing, exact resume, same losses as the native loader."""
+"""TorchLoader and place_batch: same batches as numpy slicing, exact resume, same losses as the native loader."""
 
 import json
 
@@ -13,10 +13,11 @@ torch = pytest.importorskip("torch")
 
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, TensorDataset  # noqa: E402
 
-from openhosti_jax.bridges import PermutationBatchSampler, TorchLoader, to_global_batch  # noqa: E402
+from openhosti_jax.bridges import PermutationBatchSampler, TorchLoader  # noqa: E402
 from openhosti_jax.bridges.torch_data import _direct, _samplers, epoch_seed  # noqa: E402
 from openhosti_jax.data import ArrayDataset  # noqa: E402
 from openhosti_jax.errors import BatchError, BridgeError  # noqa: E402
+from openhosti_jax.sharding import place_batch  # noqa: E402
 
 pytestmark = pytest.mark.torch
 torch.set_num_threads(1)
@@ -225,19 +226,22 @@ def test_refuses_unreproducible_shuffling_and_bad_batches():
         next(resumed)
 
 
-def test_to_global_batch_shards_and_checks():
+def test_place_batch_shards_and_checks():
     mesh = jax.make_mesh((8,), ("data",))
-    g = to_global_batch({"x": X[:16], "y": Y[:16]}, mesh, jax.P("data"))
+    g = place_batch({"x": X[:16], "y": Y[:16]}, mesh, jax.P("data"))
     assert g["x"].sharding.spec == jax.P("data") and g["y"].dtype == jnp.int32
     for shard in g["x"].addressable_shards:
         np.testing.assert_array_equal(np.asarray(shard.data), X[:16][shard.index])
     np.testing.assert_array_equal(np.asarray(g["y"]), Y[:16])
-    with pytest.raises(BatchError, match="not divisible by the 8 shards"):
-        to_global_batch({"x": X[:12]}, mesh, jax.P("data"))
-    with pytest.raises(BatchError, match="no PartitionSpec for keys"):
-        to_global_batch({"x": X[:16], "y": Y[:16]}, mesh, {"x": jax.P("data")})
-    with pytest.raises(BridgeError, match="fit int32"):
-        to_global_batch({"y": np.full(8, 2**40)}, mesh, jax.P("data"))
+    with pytest.raises(BatchError, match=r"batch\['x'\]: dim 0 of global size 12 is not divisible by the 8 shards"):
+        place_batch({"x": X[:12]}, mesh, jax.P("data"))
+    with pytest.raises(BatchError, match="no PartitionSpec for batch keys"):
+        place_batch({"x": X[:16], "y": Y[:16]}, mesh, {"x": jax.P("data")})
+    with pytest.raises(BatchError, match=r"batch\['y'\]: expected int64 values that fit int32"):
+        place_batch({"y": np.full(8, 2**40)}, mesh, jax.P("data"))
+    on_device = place_batch({"x": jnp.asarray(X[:16])}, mesh, jax.P("data"))  # a device array is resharded
+    np.testing.assert_array_equal(np.asarray(on_device["x"]), X[:16])
+    assert place_batch(on_device, mesh, jax.P("data"))["x"] is on_device["x"]  # already placed: untouched
 
 
 class _MLP(nn.Module):
@@ -276,7 +280,7 @@ def test_training_from_torch_loader_matches_native_loader():
         return losses
 
     native = ArrayDataset({"x": X, "y": Y}, global_batch_size=16, shuffle=False, num_epochs=2)
-    native_losses = run(to_global_batch(b, mesh, jax.P("data")) for b in native)
+    native_losses = run(place_batch(b, mesh, jax.P("data")) for b in native)
     dl = DataLoader(_dataset(), batch_size=16)
     torch_losses = run(TorchLoader(dl, names=("x", "y"), num_epochs=2, mesh=mesh, spec=jax.P("data")))
     assert len(torch_losses) == 6 and sum(torch_losses[3:]) < sum(torch_losses[:3])

@@ -25,11 +25,11 @@ from openhosti_jax.microbatch import (
     budget_from_devices,
     compile_bound,
     compiled_peak_bytes,
-    divisors,
     find_microbatch,
     make_train_step,
     peak_bytes,
 )
+from openhosti_jax.sizes import divisors
 from openhosti_jax.state import TrainState
 
 PER_DEVICE = 128

@@ -7,9 +7,8 @@ import optax
 import pytest
 
 from openhosti_jax.mesh import MeshConfig, build_mesh
-from openhosti_jax.planner.plan import ShardingPlan
-from openhosti_jax.state import create_train_state
-from openhosti_jax.train import spmd
+from openhosti_jax.sharding.plan import ShardingPlan
+from openhosti_jax.train import create_train_state, spmd
 
 D, H, B = 128, 512, 16
 

@@ -6,14 +6,11 @@ import pytest
 from openhosti_jax.errors import PipelineError
 from openhosti_jax.pipeline import (
     Action,
-    LayerCost,
     Schedule,
-    evaluate_partition,
     gpipe,
     interleaved_one_f_one_b,
     make_schedule,
     one_f_one_b,
-    predicted_step_time,
     simulate,
     tick_table,
 )
@@ -52,14 +49,6 @@ def test_unequal_stage_times_bottleneck():
     times = [1.0, 3.0, 1.0, 1.0]
     r = simulate(gpipe(4, 6), times, [0.0] * 4)
     assert r.makespan == pytest.approx(sum(times) + 5 * 3.0)
-
-
-def test_predicted_step_time_uses_partition_times():
-    costs = [LayerCost(0, 0, 1, 1, 1, t) for t in (1.0, 1.0, 2.0)]
-    p = evaluate_partition(costs, (0, 2, 3), 4)  # stage times 6, 6 (fwd+2x bwd)
-    assert predicted_step_time(p, gpipe(2, 4)) == pytest.approx((4 + 1) * 6.0)
-    with pytest.raises(PipelineError, match="chunks"):
-        predicted_step_time(p, gpipe(4, 4))
 
 
 def test_invalid_schedules_raise():

@@ -6,8 +6,8 @@ import optax
 import pytest
 
 from openhosti_jax.mesh import MeshConfig, build_mesh
-from openhosti_jax.planner import PROFILES, plan
-from openhosti_jax.planner.demo import example_inputs, gpt_step
+from openhosti_jax.models.examples import example_inputs, gpt_step
+from openhosti_jax.planner import PROFILES, choose_plan
 from openhosti_jax.planner.propagate import propagate
 from openhosti_jax.planner.refine import MEASURED_TIE, measured_order
 from openhosti_jax.planner.search import Candidate, score
@@ -60,11 +60,11 @@ def test_tensor_parallel_memory_matches_compiled(shape):
 def test_refine_with_only_pipelined_candidates_on_top_times_nothing():
     """A budget only pipelined meshes fit (the plain step has no stage axis to time): refine= says so."""
     init_fn, tx, batch = example_inputs("gpt-tiny")
-    p = plan(
+    p, report = choose_plan(
         init_fn, tx, batch, memory_budget=1_600_000, pipeline=True, refine=2, step_fn=gpt_step, device_profile="H100"
     )
-    assert p.pipeline_stages > 1 and p.compiled_bytes is None
-    assert p.notes[0] == "refined: none of the top 2 predicted is unpipelined, so none was timed"
+    assert p.pipeline_stages > 1 and report.compiled_bytes is None
+    assert report.notes[0] == "refined: none of the top 2 predicted is unpipelined, so none was timed"
 
 
 def test_measured_order_keeps_the_predicted_winner_inside_the_tie_band():
@@ -78,13 +78,14 @@ def test_measured_order_keeps_the_predicted_winner_inside_the_tie_band():
 def test_refine_times_top_candidates_and_keeps_the_fastest_beyond_the_tie_band():
     """The fastest measured of the top 2 wins only if it beats the predicted winner by more than MEASURED_TIE."""
     init_fn, tx, batch = example_inputs("gpt-tiny")
-    predicted = plan(init_fn, optax.adam(1e-3), batch, verify=False, device_profile="H100")
-    p = plan(init_fn, optax.adam(1e-3), batch, refine=2, step_fn=gpt_step, device_profile="H100")
-    note = next(n for n in p.notes if n.startswith("refined"))
+    _, predicted = choose_plan(init_fn, optax.adam(1e-3), batch, verify=False, device_profile="H100")
+    p, report = choose_plan(init_fn, optax.adam(1e-3), batch, refine=2, step_fn=gpt_step, device_profile="H100")
+    note = next(n for n in report.notes if n.startswith("refined"))
     timed = [part.rsplit(" ", 2) for part in note.split("measured ", 1)[1].split(", ")]
     ms = {label: float(t) for label, t, _ in timed}
     picked = note.split("picked ", 1)[1].split(";")[0]
-    first = next(label for label in ms if predicted.candidates[0].startswith(label + " "))
+    first = predicted.candidates[0].label
+    assert first in ms
     fastest = min(ms, key=ms.get)
     assert len(ms) == 2 and picked == (fastest if ms[fastest] < ms[first] * (1 - MEASURED_TIE) else first), (
         note,
@@ -93,4 +94,4 @@ def test_refine_times_top_candidates_and_keeps_the_fastest_beyond_the_tie_band()
     assert all(f"{a}={n}" in picked for a, n in p.mesh_shape.items() if n > 1) and picked.endswith(
         f"zero{p.zero_stage}"
     )
-    assert p.compiled_bytes is not None
+    assert report.compiled_bytes is not None

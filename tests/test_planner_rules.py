@@ -13,16 +13,16 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from openhosti_jax.errors import PlanningError
-from openhosti_jax.planner.profile import (
+from openhosti_jax.planner.calibrate import (
     CALIBRATION_SIZES,
     MAX_CALIBRATION_BYTES,
-    PROFILES,
-    _alternated_medians,
+    alternated_medians,
     calibrate,
     calibration_sizes,
 )
-from openhosti_jax.planner.rules import DEFAULT_RULES, logical_names, logical_spec
-from openhosti_jax.planner.tensor import base_specs
+from openhosti_jax.planner.profiles import PROFILES
+from openhosti_jax.sharding.rules import DEFAULT_RULES, logical_names, logical_spec
+from openhosti_jax.sharding.tensor import base_specs
 
 
 def test_first_free_axis_wins_and_indivisible_dims_stay_unsharded():
@@ -134,7 +134,7 @@ def test_calibrated_memory_curve_prices_a_cache_resident_loop():
 
     f = jax.jit(jax.shard_map(loop, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
     xs = [jax.device_put(np.ones((n * k,), np.float32), NamedSharding(mesh, P("d"))) for _ in range(2)]
-    (measured,) = _alternated_medians([lambda: f(*xs)], 11)
+    (measured,) = alternated_medians([lambda: f(*xs)], 11)
     traffic = 3 * 4 * k  # reads x, b; writes x
     curve = p.launch_seconds + loops * p.memory_seconds(traffic, 8 * k)
     flat = p.launch_seconds + loops * traffic / p.memory_bandwidth
@@ -166,7 +166,7 @@ def test_calibration_prices_a_collective_as_one_op_inside_a_step():
 
     f = jax.jit(jax.shard_map(chain, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
     x = jax.device_put(np.ones((n, nbytes // 4), np.float32), NamedSharding(mesh, P("d")))
-    (measured,) = _alternated_medians([lambda: f(x)], 15)
+    (measured,) = alternated_medians([lambda: f(x)], 15)
     per_op = p.collective_seconds("all_reduce", nbytes, n)
     in_step, per_program = p.launch_seconds + k * per_op, k * (per_op + p.launch_seconds)
     assert abs(in_step - measured) < abs(per_program - measured), (measured, in_step, per_program)
@@ -190,7 +190,7 @@ def test_calibration_prices_a_small_group_on_its_own_curve():
     spec = P(("r", "d"))
     f = jax.jit(jax.shard_map(chain, mesh=mesh, in_specs=spec, out_specs=spec))
     x = jax.device_put(np.ones((n, nbytes // 4), np.float32), NamedSharding(mesh, spec))
-    (measured,) = _alternated_medians([lambda: f(x)], 15)
+    (measured,) = alternated_medians([lambda: f(x)], 15)
     pairs = p.launch_seconds + k * p.collective_seconds("all_reduce", nbytes, 2)
     as_if_all = p.launch_seconds + k * p.link_curve["all_reduce"][n][0][1]
     assert pairs < as_if_all

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from openhosti_jax.errors import MemoryBudgetError
-from openhosti_jax.planner import PROFILES, plan
+from openhosti_jax.planner import PROFILES, choose_plan
 from openhosti_jax.planner.search import TIE, enumerate_candidates, rank, search
 from openhosti_jax.planner.workload import workload
 
@@ -60,15 +60,15 @@ def test_budget_excluding_zero01_picks_2_or_3_and_loose_budget_picks_lower():
     high = min(x.estimate.bytes for x in s if x.candidate.zero_stage >= 2)
     assert high < low
     budget = (low + high) // 2
-    tight = plan(
+    tight, tight_report = choose_plan(
         lambda r: MLP(nnx.Rngs(r)), optax.adam(1e-3), BATCH, memory_budget=budget, verify=False, device_profile="H100"
     )
-    assert tight.zero_stage in (2, 3) and tight.predicted_bytes <= budget
-    loose = plan(
+    assert tight.zero_stage in (2, 3) and tight_report.predicted_bytes <= budget
+    loose, loose_report = choose_plan(
         lambda r: MLP(nnx.Rngs(r)), optax.adam(1e-3), BATCH, memory_budget=10 * low, verify=False, device_profile="H100"
     )
     assert loose.zero_stage < tight.zero_stage
-    assert loose.predicted_seconds <= min(x.estimate.seconds for x in s) * 1.02 + 1e-12
+    assert loose_report.predicted_seconds <= min(x.estimate.seconds for x in s) * 1.02 + 1e-12
 
 
 def test_ties_go_to_lower_stage_then_less_memory_and_the_rest_by_time():
@@ -107,7 +107,7 @@ def test_ties_go_to_lower_stage_then_less_memory_and_the_rest_by_time():
 def test_nothing_fits_raises_with_smallest_achievable():
     smallest = min(x.estimate.bytes for x in scored())
     with pytest.raises(MemoryBudgetError, match=str(smallest)):
-        plan(
+        choose_plan(
             lambda r: MLP(nnx.Rngs(r)),
             optax.adam(1e-3),
             BATCH,
@@ -119,8 +119,11 @@ def test_nothing_fits_raises_with_smallest_achievable():
 
 @pytest.mark.timeout(300)
 def test_verified_plan_records_compiled_bytes_and_prints():
-    p = plan(lambda r: MLP(nnx.Rngs(r)), optax.adam(1e-3), BATCH, device_profile="H100")
-    assert p.compiled_bytes and 0.7 < p.predicted_bytes / p.compiled_bytes < 1.4
-    text = str(p)
+    p, report = choose_plan(lambda r: MLP(nnx.Rngs(r)), optax.adam(1e-3), BATCH, device_profile="H100")
+    assert report.plan is p
+    assert report.compiled_bytes and 0.7 < report.predicted_bytes / report.compiled_bytes < 1.4
+    text = str(report)
     assert "compiled" in text and "why:" in text and "candidates" in text and "largest unsharded" in text
+    assert [c.label for c in report.candidates[:1]] == [report.notes[0].split(":")[0]]  # the ranking is data
+    assert "why:" not in str(p) and "ZeRO stage" in str(p)  # the plan prints the decision only
     assert sum(p.mesh_shape.values()) >= 1 and p.mesh_shape["data"] * p.mesh_shape["fsdp"] * p.mesh_shape["tensor"] == 8

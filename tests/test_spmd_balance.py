@@ -1,10 +1,10 @@
-"""@spmd(balance=True): the GPT loss and parameters equal the plain step's while a throttled device gets less work."""
+"""balanced_step: the GPT loss and parameters equal the plain step's while a throttled device gets less work."""
 
 import jax
 import numpy as np
 import pytest
 
-from openhosti_jax import MeshConfig, build_mesh, spmd
+from openhosti_jax import MeshConfig, balanced_step, build_mesh, spmd
 from openhosti_jax.balance import Throttle
 from openhosti_jax.errors import BatchError, ShardingError, StateError
 from openhosti_jax.models.gpt_job import GPTJob, build_job, gpt_loss_fn
@@ -20,7 +20,7 @@ def test_balanced_gpt_step_equals_plain_step_and_moves_work_off_a_slow_device():
     # device 3 stalls 3 x 10 ms per microbatch: slower without taking the 2 shared cores from its peers, so no
     # other device's timing is disturbed by its extra work (a compute throttle made the counts flaky under load)
     slow = Throttle.for_devices(4, {3: 4}, microbatch_seconds=0.01)
-    balanced = spmd(loss_fn, mesh=mesh, plan=plan, balance=True, microbatches=16, every=1, throttle=slow)
+    balanced = balanced_step(loss_fn, mesh=mesh, plan=plan, microbatches=16, every=1, throttle=slow)
     ref_state, _, _, _ = build_job(JOB, mesh)
     losses, ref_losses = [], []
     for _ in range(4):
@@ -42,11 +42,13 @@ def test_balance_needs_a_plan_and_divisible_batches():
     state, plan, _, data = build_job(JOB, mesh)
     loss_fn = gpt_loss_fn(state.apply_fn, state.model_state)
     with pytest.raises(StateError, match="ShardingPlan"):
-        spmd(loss_fn, mesh=mesh, plan="dp", balance=True)
+        balanced_step(loss_fn, mesh=mesh, plan="dp")
+    with pytest.raises(StateError, match="openhosti_jax.balanced_step"):  # a loss is not a train step
+        spmd(loss_fn, mesh=mesh, plan=plan, balance=True)
     fsdp_mesh = build_mesh(MeshConfig(data=1, fsdp=4), devices=jax.devices()[:4])
     _, fsdp_plan, _, _ = build_job(GPTJob(**{**JOB.__dict__, "plan": "fsdp"}), fsdp_mesh)
     with pytest.raises(ShardingError, match="use plan='dp', 'zero1' or 'zero2'"):
-        spmd(loss_fn, mesh=fsdp_mesh, plan=fsdp_plan, balance=True)
-    step = spmd(loss_fn, mesh=mesh, plan=plan, balance=True, microbatches=5)
+        balanced_step(loss_fn, mesh=fsdp_mesh, plan=fsdp_plan)
+    step = balanced_step(loss_fn, mesh=mesh, plan=plan, microbatches=5)
     with pytest.raises(BatchError, match="not divisible by microbatches=5"):
         step(state, next(data))

@@ -11,7 +11,7 @@ from flax import nnx
 from openhosti_jax import MeshConfig, build_mesh, create_train_state
 from openhosti_jax.errors import ShardingError, StateError
 from openhosti_jax.models.gpt import GPT, GPTConfig
-from openhosti_jax.planner import ShardingPlan
+from openhosti_jax.sharding import ShardingPlan
 
 
 def _gpt(r):

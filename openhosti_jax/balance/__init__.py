@@ -2,9 +2,9 @@
 
 from openhosti_jax.balance.balancer import Balancer
 from openhosti_jax.balance.buffer import pack_microbatches, place_microbatches
+from openhosti_jax.balance.grad import BalancedGradFn, make_balanced_grad_fn
 from openhosti_jax.balance.monitor import Monitor
 from openhosti_jax.balance.rebalancer import Rebalancer, describe_assignment
-from openhosti_jax.balance.step import BalancedGradFn, make_balanced_grad_fn
 from openhosti_jax.balance.throttle import Throttle
 
 __all__ = [

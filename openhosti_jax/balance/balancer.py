@@ -24,10 +24,11 @@ import jax
 from jax.sharding import Mesh
 
 from openhosti_jax.balance.buffer import place_microbatches
+from openhosti_jax.balance.grad import make_balanced_grad_fn
 from openhosti_jax.balance.monitor import Monitor
 from openhosti_jax.balance.rebalancer import Rebalancer, describe_assignment
-from openhosti_jax.balance.step import LossFn, make_balanced_grad_fn
 from openhosti_jax.balance.throttle import Throttle
+from openhosti_jax.state.contracts import LossFn
 
 
 class Balancer:

@@ -3,7 +3,6 @@
 Neither framework is imported here; each is imported inside the function that needs it.
 """
 
-from openhosti_jax.bridges.global_batch import default_batch_spec, to_global_batch
 from openhosti_jax.bridges.tensors import (
     DeviceShard,
     shards_to_jax,
@@ -26,7 +25,6 @@ __all__ = [
     "PermutationBatchSampler",
     "TFDatasetLoader",
     "TorchLoader",
-    "default_batch_spec",
     "flax_to_torch",
     "layer_maps",
     "shards_to_jax",
@@ -34,7 +32,6 @@ __all__ = [
     "shards_to_torch",
     "to_jax",
     "to_tf",
-    "to_global_batch",
     "torch_to_flax",
     "to_torch",
     "torch_to_numpy",

@@ -24,9 +24,9 @@ from typing import Any
 import numpy as np
 from jax.sharding import Mesh
 
-from openhosti_jax.bridges.global_batch import BatchSpec, to_global_batch
 from openhosti_jax.data.protocol import position_state
 from openhosti_jax.errors import BatchError
+from openhosti_jax.sharding.batch import BatchSpec, place_batch
 
 
 class EpochIterator:
@@ -63,7 +63,7 @@ class EpochIterator:
             self._epoch, self._position, self._it = self._epoch + 1, 0, None
         self._position += 1
         local = self._to_dict(item)
-        return local if self.mesh is None else to_global_batch(local, self.mesh, self.spec)
+        return local if self.mesh is None else place_batch(local, self.mesh, self.spec)
 
     def get_state(self) -> dict[str, Any]:
         """``{"epoch", "position", "seed"}``: the next batch is batch ``position`` of ``epoch``."""

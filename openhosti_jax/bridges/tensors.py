@@ -39,15 +39,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from openhosti_jax.errors import BridgeError
+from openhosti_jax.sharding.batch import NARROW, check_narrowing
 
-_INT32 = np.iinfo(np.int32)
-_UINT32 = np.iinfo(np.uint32)
 # DLPack dtypes TensorFlow's exporter handles; anything else aborts the process inside TF, so check first.
 _TF_DLPACK_DTYPES = frozenset(
     "float16 bfloat16 float32 float64 int8 int16 int32 int64 uint8 uint16 uint32 uint64 bool".split()
     + ["complex64", "complex128"]
 )
-_TORCH_NARROW = {"int64": "int32", "uint64": "uint32", "float64": "float32", "complex128": "complex64"}
 
 
 @dataclass(frozen=True)
@@ -86,25 +84,6 @@ def _dense_strides(shape: Sequence[int], strides: Sequence[int]) -> bool:
     return True
 
 
-def _check_narrowing(name: str, lo: int, hi: int, dtype: str) -> None:
-    info = _UINT32 if dtype == "uint64" else _INT32
-    if lo < info.min or hi > info.max:
-        raise BridgeError(
-            f"{name}: expected {dtype} values that fit {info.dtype} (jax_enable_x64 is off), found range "
-            f"[{lo}, {hi}]; fix: enable 64-bit JAX with jax.config.update('jax_enable_x64', True) or rescale"
-        )
-
-
-def narrow_numpy(x: np.ndarray, where: str) -> np.ndarray:
-    """``x`` in the dtype JAX will hold it in: 64-bit types narrowed (ints range-checked) when x64 is off."""
-    name = x.dtype.name
-    if name not in _TORCH_NARROW or jax.config.jax_enable_x64:
-        return x
-    if name in ("int64", "uint64") and x.size:
-        _check_narrowing(where, int(x.min()), int(x.max()), name)
-    return x.astype(_TORCH_NARROW[name])
-
-
 def torch_to_numpy(t: Any) -> np.ndarray:
     """A CPU torch tensor as a numpy array sharing its memory (bf16 as ``ml_dtypes.bfloat16``).
 
@@ -136,10 +115,10 @@ def _torch_to_jax(x: Any, device: jax.Device | None) -> jax.Array:
     if x.is_conj() or x.is_neg():
         x = x.resolve_conj().resolve_neg()
     name = str(x.dtype).removeprefix("torch.")
-    if name in _TORCH_NARROW and not jax.config.jax_enable_x64:
+    if name in NARROW and not jax.config.jax_enable_x64:
         if name in ("int64", "uint64") and x.numel():
-            _check_narrowing("to_jax", int(x.min()), int(x.max()), name)
-        x = x.to(getattr(torch, _TORCH_NARROW[name]))
+            check_narrowing("to_jax", int(x.min()), int(x.max()), name, BridgeError)
+        x = x.to(getattr(torch, NARROW[name]))
     if not _dense_strides(x.shape, x.stride()):
         x = x.contiguous()
     try:
@@ -159,10 +138,10 @@ def _tf_to_jax(x: Any, device: jax.Device | None) -> jax.Array:
             f"to_jax: expected a TF tensor of a numeric or bool dtype, found {name}; "
             "convert strings with tf.strings ops to numbers first"
         )
-    if name in _TORCH_NARROW and not jax.config.jax_enable_x64:
+    if name in NARROW and not jax.config.jax_enable_x64:
         if name in ("int64", "uint64") and tf.size(x) > 0:
-            _check_narrowing("to_jax", int(tf.reduce_min(x)), int(tf.reduce_max(x)), name)
-        x = tf.cast(x, _TORCH_NARROW[name])
+            check_narrowing("to_jax", int(tf.reduce_min(x)), int(tf.reduce_max(x)), name, BridgeError)
+        x = tf.cast(x, NARROW[name])
     try:
         return jax.dlpack.from_dlpack(x, device=device)
     except (BufferError, RuntimeError, TypeError) as err:
@@ -306,7 +285,6 @@ def shards_to_jax(
 
 __all__ = [
     "DeviceShard",
-    "narrow_numpy",
     "shards_to_jax",
     "shards_to_tf",
     "shards_to_torch",

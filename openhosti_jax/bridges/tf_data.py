@@ -24,8 +24,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from openhosti_jax.bridges.epochs import EpochIterator
-from openhosti_jax.bridges.global_batch import BatchSpec
 from openhosti_jax.errors import BatchError, BridgeError
+from openhosti_jax.sharding.batch import BatchSpec
 
 
 class TFDatasetLoader(EpochIterator):

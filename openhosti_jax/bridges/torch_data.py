@@ -1,7 +1,8 @@
 """`TorchLoader`: a torch ``DataLoader`` as a resumable iterator of numpy (or sharded global) batches.
 
 It yields ``dict[str, np.ndarray]`` batches like the native `openhosti_jax.data.ArrayDataset` (or, given a
-mesh, ``dict[str, jax.Array]`` global batches through `to_global_batch`) and reports the same JSON position
+mesh, ``dict[str, jax.Array]`` global batches through `openhosti_jax.sharding.place_batch`) and reports the same
+JSON position
 ``{"epoch", "position", "seed"}``: ``position`` batches of ``epoch`` were consumed.
 
 Each epoch's order must be reproducible for a resume to land on the same sample. Before each epoch the adapter
@@ -38,9 +39,9 @@ import numpy as np
 from jax.sharding import Mesh
 
 from openhosti_jax.bridges.epochs import EpochIterator
-from openhosti_jax.bridges.global_batch import BatchSpec
 from openhosti_jax.bridges.tensors import torch_to_numpy
 from openhosti_jax.errors import BatchError, BridgeError
+from openhosti_jax.sharding.batch import BatchSpec
 
 
 def epoch_seed(seed: int, epoch: int) -> int:

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import jax
 import numpy as np
 
 from openhosti_jax.data.protocol import position_state
@@ -31,8 +32,6 @@ from openhosti_jax.errors import BatchError
 
 def _process_layout(process_index: int | None, process_count: int | None) -> tuple[int, int]:
     if process_index is None or process_count is None:
-        import jax
-
         process_index = jax.process_index() if process_index is None else process_index
         process_count = jax.process_count() if process_count is None else process_count
     if process_count < 1 or not 0 <= process_index < process_count:

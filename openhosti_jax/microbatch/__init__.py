@@ -1,24 +1,21 @@
 """Microbatching: gradient accumulation, memory probe, largest-fitting microbatch search, OOM retry."""
 
 from openhosti_jax.microbatch.accumulate import (
-    LossFn,
     accumulate_gradients,
     batch_size_of,
     microbatch_layout,
     split_microbatches,
 )
 from openhosti_jax.microbatch.budget import agree_across_processes, budget_from_devices
+from openhosti_jax.microbatch.find import MicrobatchChoice, compile_bound, find_microbatch
 from openhosti_jax.microbatch.probe import PeakFn, analytic_peak_bytes, compiled_peak_bytes, peak_bytes
 from openhosti_jax.microbatch.retry import OOMRetryStep, halve_microbatch, is_resource_exhausted
-from openhosti_jax.microbatch.search import MicrobatchChoice, compile_bound, divisors, find_microbatch
-from openhosti_jax.microbatch.step import TrainStep, make_train_step
+from openhosti_jax.microbatch.train_step import make_train_step
 
 __all__ = [
-    "LossFn",
     "MicrobatchChoice",
     "OOMRetryStep",
     "PeakFn",
-    "TrainStep",
     "accumulate_gradients",
     "agree_across_processes",
     "analytic_peak_bytes",
@@ -26,7 +23,6 @@ __all__ = [
     "budget_from_devices",
     "compile_bound",
     "compiled_peak_bytes",
-    "divisors",
     "find_microbatch",
     "halve_microbatch",
     "is_resource_exhausted",

@@ -24,7 +24,7 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -32,9 +32,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
 from openhosti_jax.errors import BatchError, ShardingError
-
-LossFn = Callable[[Any, Any, jax.Array | None], tuple[jax.Array, Any]]
-"""``(params, microbatch, rng) -> (loss_sum, num_real)``, or ``(loss_sum, (num_real, aux))`` with has_aux."""
+from openhosti_jax.state.contracts import LossFn
 
 
 def batch_size_of(batch: Any) -> int:

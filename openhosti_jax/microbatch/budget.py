@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from openhosti_jax.errors import MemoryBudgetError
 
@@ -56,8 +57,6 @@ def agree_across_processes(values: Sequence[int]) -> tuple[int, ...]:
         raise MemoryBudgetError(f"expected non-negative ints to agree on, found {values}")
     if jax.process_count() == 1:
         return values
-    from jax.experimental import multihost_utils
-
     digits = np.asarray([[v // _BASE, v % _BASE] for v in values], np.int32)
     agreed = np.asarray(multihost_utils.broadcast_one_to_all(digits))
     return tuple(int(hi) * _BASE + int(lo) for hi, lo in agreed)

@@ -23,34 +23,10 @@ from typing import Any
 import jax
 from jax.sharding import Sharding
 
+from openhosti_jax.state.jit import footprint_bytes, memory_stats
+
 PeakFn = Callable[[jax.stages.Compiled], int | None]
 """``compiled -> per-device peak bytes`` (``None`` when unknown)."""
-
-
-def memory_stats(compiled: jax.stages.Compiled) -> dict[str, int] | None:
-    """``memory_analysis()`` fields per device (argument, output, temp, alias, peak); ``None`` when unreported.
-
-    All-zero fields (some GPU/TPU builds) count as unreported.
-    """
-    try:
-        stats = compiled.memory_analysis()
-    except (NotImplementedError, RuntimeError):
-        return None
-    if stats is None:
-        return None
-    out = {
-        "argument": int(stats.argument_size_in_bytes),
-        "output": int(stats.output_size_in_bytes),
-        "temp": int(stats.temp_size_in_bytes),
-        "alias": int(stats.alias_size_in_bytes),
-        "peak": int(getattr(stats, "peak_memory_in_bytes", 0) or 0),
-    }
-    return out if any(out.values()) else None
-
-
-def footprint_bytes(stats: dict[str, int]) -> int:
-    """The buffer assignment's footprint: arguments + temporaries + outputs not aliased to donated arguments."""
-    return stats["argument"] + stats["temp"] + stats["output"] - stats["alias"]
 
 
 def compiled_peak_bytes(compiled: jax.stages.Compiled) -> int | None:

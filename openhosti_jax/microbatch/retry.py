@@ -23,8 +23,8 @@ from typing import Any
 import jax
 
 from openhosti_jax.errors import MemoryBudgetError, StateError
-from openhosti_jax.microbatch.search import divisors
-from openhosti_jax.microbatch.step import TrainStep
+from openhosti_jax.sizes import divisors
+from openhosti_jax.state.contracts import StepFn
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class OOMRetryStep:
 
     def __init__(
         self,
-        build: Callable[[int], TrainStep],
+        build: Callable[[int], StepFn],
         per_device_batch: int,
         size: int,
         *,
@@ -72,7 +72,7 @@ class OOMRetryStep:
         self.size = size
         self.on_resize = on_resize
         self.resizes: list[tuple[int, int]] = []
-        self._step: TrainStep | None = None
+        self._step: StepFn | None = None
 
     def __call__(self, state: Any, batch: Any) -> tuple[Any, Any]:
         while True:

@@ -26,10 +26,11 @@ from openhosti_jax.errors import StateError
 from openhosti_jax.mesh import MeshConfig, build_mesh
 from openhosti_jax.microbatch import make_train_step
 from openhosti_jax.models.gpt import GPT, GPTConfig, make_corpus, next_token_loss
-from openhosti_jax.planner.auto import plan as plan_sharding
-from openhosti_jax.planner.plan import ShardingPlan
-from openhosti_jax.state import TrainState, create_train_state
-from openhosti_jax.train import FitResult, Trainer, spmd
+from openhosti_jax.planner.choose import choose_plan
+from openhosti_jax.sharding.plan import ShardingPlan
+from openhosti_jax.state.model import model_parts
+from openhosti_jax.state.train_state import TrainState
+from openhosti_jax.train import FitResult, SpmdStep, Trainer, TrainerCheckpoint, create_train_state, resolve_plan, spmd
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +49,7 @@ class GPTJob:
     """Adam learning rate."""
     plan: str | int = "fsdp"
     """Sharding strategy: "fsdp", "dp", "zero1", "zero2", a ZeRO stage, or "auto": the planner chooses the mesh
-    shape and ZeRO stage (`openhosti_jax.plan`, the winner AOT-compiled) and ``mesh`` is not used."""
+    shape and ZeRO stage (`openhosti_jax.choose_plan`, the winner AOT-compiled) and ``mesh`` is not used."""
     mesh: MeshConfig = dataclasses.field(default_factory=lambda: MeshConfig(data=1, fsdp=-1))
     """Mesh axis sizes (for a named strategy)."""
     seed: int = 0
@@ -88,22 +89,24 @@ def gpt_train_step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[Trai
     return step(state, batch)
 
 
-def build_job(job: GPTJob, mesh: Mesh | None = None) -> tuple[TrainState, ShardingPlan, Any, ArrayDataset]:
-    """(sharded state, plan, the @spmd step, the data iterator) for ``job``.
+def build_job(job: GPTJob, mesh: Mesh | None = None) -> tuple[TrainState, ShardingPlan, SpmdStep, ArrayDataset]:
+    """(sharded state, plan, the @spmd step, the data iterator) for ``job``; ``step.report`` says why the plan.
 
     With ``job.plan == "auto"`` and no ``mesh`` the planner searches mesh shapes x ZeRO stages for all devices;
     with a ``mesh`` it chooses the ZeRO stage on that mesh.
     """
     tx = optax.adam(job.learning_rate)
     init_fn = lambda r: GPT(job.model, rngs=nnx.Rngs(r))
-    strategy: str | int | ShardingPlan = job.plan
     if job.plan == "auto" and mesh is None:
         tokens = jax.ShapeDtypeStruct((job.global_batch, job.model.seq_len), jnp.int32)
-        strategy = plan_sharding(init_fn, tx, tokens, step_fn=lambda s, t: gpt_train_step(s, {"tokens": t}))
-        mesh = build_mesh(MeshConfig.from_sizes(dict(strategy.mesh_shape)))
-    mesh = mesh or build_mesh(job.mesh)
-    state, plan = create_train_state(init_fn, tx, mesh, plan=strategy, seed=job.seed)
+        plan, report = choose_plan(init_fn, tx, tokens, step_fn=lambda s, t: gpt_train_step(s, {"tokens": t}))
+        mesh = build_mesh(MeshConfig.from_sizes(dict(plan.mesh_shape)))
+    else:
+        mesh = mesh or build_mesh(job.mesh)
+        plan, report = resolve_plan(job.plan, model_parts(init_fn, mesh=mesh).params, tx, mesh)
+    state, plan = create_train_state(init_fn, tx, mesh, plan=plan, seed=job.seed)
     step = spmd(gpt_train_step, mesh=mesh, plan=plan)
+    step.report = report
     corpus = make_corpus(job.num_sequences, job.model.seq_len, seed=job.seed)
     data = ArrayDataset({"tokens": corpus}, job.global_batch, seed=job.seed)
     return state, plan, step, data
@@ -113,13 +116,9 @@ def run_job(job: GPTJob, mesh: Mesh | None = None) -> FitResult:
     """Build and train; print the plan first (``job.print_plan``)."""
     state, plan, step, data = build_job(job, mesh)
     if job.print_plan and jax.process_index() == 0:
-        from openhosti_jax.planner.report import format_plan
-
-        print(format_plan(plan, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state.params)))
+        print(step.report)
     checkpoint = None
     if job.checkpoint_dir is not None:
-        from openhosti_jax.train.resume import TrainerCheckpoint
-
         checkpoint = TrainerCheckpoint(
             job.checkpoint_dir, every_steps=job.checkpoint_every_steps, meta={"plan": str(plan)}
         )

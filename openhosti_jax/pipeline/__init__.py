@@ -6,8 +6,7 @@ Example:
     0.429
 """
 
-from openhosti_jax.pipeline.advice import PipelineAdvice, fewest_stages, predicted_step_time, should_pipeline
-from openhosti_jax.pipeline.costs import LayerCost, jaxpr_flops, layer_costs, split_modules, tree_bytes
+from openhosti_jax.pipeline.costs import LayerCost, layer_costs, split_modules
 from openhosti_jax.pipeline.executor import make_pipeline_step, pipeline_value_and_grad
 from openhosti_jax.pipeline.partition import (
     StageCostModel,
@@ -29,7 +28,6 @@ from openhosti_jax.pipeline.ticks import TickTable, tick_table
 
 __all__ = [
     "Action",
-    "PipelineAdvice",
     "LayerCost",
     "Schedule",
     "SimResult",
@@ -37,10 +35,8 @@ __all__ = [
     "StagePartition",
     "TickTable",
     "evaluate_partition",
-    "fewest_stages",
     "gpipe",
     "interleaved_one_f_one_b",
-    "jaxpr_flops",
     "layer_costs",
     "make_pipeline_step",
     "make_schedule",
@@ -48,10 +44,7 @@ __all__ = [
     "one_f_one_b",
     "partition",
     "pipeline_value_and_grad",
-    "predicted_step_time",
-    "should_pipeline",
     "simulate",
     "split_modules",
     "tick_table",
-    "tree_bytes",
 ]

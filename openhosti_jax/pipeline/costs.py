@@ -20,8 +20,11 @@ from typing import Any
 
 import jax
 import numpy as np
+from flax import nnx
 
 from openhosti_jax.errors import PipelineError
+from openhosti_jax.flops import jaxpr_flops
+from openhosti_jax.sizes import tree_bytes
 
 Layer = Callable[[Any, Any], Any]
 
@@ -47,49 +50,6 @@ class LayerCost:
         bad = {k: v for k, v in vars(self).items() if not (np.isfinite(v) and v >= 0)}
         if bad:
             raise PipelineError(f"LayerCost fields must be finite and >= 0, found {bad}; check the cost source")
-
-
-def tree_bytes(tree: Any) -> int:
-    """Total bytes of the arrays (or abstract arrays) in a pytree."""
-    return int(sum(np.prod(x.shape, dtype=np.int64) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
-
-
-def jaxpr_flops(fn: Callable[..., Any], *args: Any) -> float:
-    """FLOPs of ``fn(*args)`` counted from its jaxpr: ``2 * out * contracted`` per matmul, one per output element
-    of other primitives, loop bodies times their trip count. The fallback when ``cost_analysis()`` reports none.
-
-    Example:
-        >>> import jax.numpy as jnp
-        >>> jaxpr_flops(lambda a, b: a @ b, jnp.ones((2, 8)), jnp.ones((8, 4)))
-        128.0
-    """
-    return _count(jax.make_jaxpr(fn)(*args).jaxpr)
-
-
-def _count(jaxpr: Any) -> float:
-    total = 0.0
-    for eqn in jaxpr.eqns:
-        name = eqn.primitive.name
-        subs = [v for v in eqn.params.values() if hasattr(v, "eqns") or hasattr(v, "jaxpr")]
-        subs += [b for v in eqn.params.values() if isinstance(v, tuple) for b in v if hasattr(b, "jaxpr")]
-        if subs:
-            inner = [_count(getattr(j, "jaxpr", j)) for j in subs]
-            trips = eqn.params.get("length", 1) if name == "scan" else 1
-            total += trips * (max(inner) if name in ("cond", "switch") else sum(inner))
-            continue
-        out = sum(float(np.prod(v.aval.shape)) for v in eqn.outvars if hasattr(v.aval, "shape"))
-        if name == "dot_general":
-            (lhs_contract, _), _ = eqn.params["dimension_numbers"]
-            lhs_shape = eqn.invars[0].aval.shape
-            total += 2.0 * out * float(np.prod([lhs_shape[d] for d in lhs_contract]))
-        elif name == "conv_general_dilated":
-            rhs_shape = eqn.invars[1].aval.shape
-            total += (
-                2.0 * out * float(np.prod(rhs_shape)) / max(rhs_shape[eqn.params["dimension_numbers"].rhs_spec[0]], 1)
-            )
-        else:
-            total += out
-    return total
 
 
 def layer_costs(
@@ -152,8 +112,6 @@ def split_modules(modules: Sequence[Any]) -> tuple[list[Layer], list[Any]]:
         >>> fns[0](params[0], jnp.ones((2, 4))).shape
         (2, 8)
     """
-    from flax import nnx
-
     fns: list[Layer] = []
     states: list[Any] = []
     for m in modules:

@@ -44,7 +44,8 @@ from openhosti_jax.pipeline.partition import StagePartition
 from openhosti_jax.pipeline.schedule import Schedule
 from openhosti_jax.pipeline.ticks import BACKWARD, FORWARD, tick_table
 
-LossFn = Callable[[Any, Any], jax.Array]
+OutputLoss = Callable[[Any, Any], jax.Array]
+"""``loss_fn(outputs, targets) -> mean loss`` on the last stage's outputs."""
 Batch = tuple[Any, Any]
 
 
@@ -68,7 +69,7 @@ def _check(layers: Sequence[Layer], mesh: Mesh, partition: StagePartition, sched
 
 def make_pipeline_step(
     layers: Sequence[Layer],
-    loss_fn: LossFn,
+    loss_fn: OutputLoss,
     mesh: Mesh,
     partition: StagePartition,
     schedule: Schedule,
@@ -212,7 +213,7 @@ def pipeline_value_and_grad(
     layers: Sequence[Layer],
     params: Sequence[Any],
     batch: Batch,
-    loss_fn: LossFn,
+    loss_fn: OutputLoss,
     mesh: Mesh,
     partition: StagePartition,
     schedule: Schedule,

@@ -15,8 +15,8 @@ a native reduce-scatter (CPU) ZeRO-2/3 gradients are all-reduced over the data-p
 Example:
     >>> import jax, jax.numpy as jnp, optax
     >>> from openhosti_jax.planner.cost import estimate
-    >>> from openhosti_jax.planner.plan import ShardingPlan
-    >>> from openhosti_jax.planner.profile import PROFILES
+    >>> from openhosti_jax.sharding.plan import ShardingPlan
+    >>> from openhosti_jax.planner.profiles import PROFILES
     >>> from openhosti_jax.planner.workload import Workload
     >>> params = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.float32)}
     >>> w = Workload(params, None, None, None, 8, 0.0, 0.0, 1)
@@ -32,14 +32,14 @@ import math
 from typing import Any
 
 import jax
-import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
-from openhosti_jax.planner.plan import ShardingPlan
-from openhosti_jax.planner.profile import DeviceProfile, bus_bytes
-from openhosti_jax.planner.specs import local_shape, spec_axes
+from openhosti_jax.planner.profiles import DeviceProfile, bus_bytes
 from openhosti_jax.planner.workload import Workload
+from openhosti_jax.sharding.plan import ShardingPlan
+from openhosti_jax.sharding.specs import is_spec, local_bytes, spec_axes
+from openhosti_jax.sizes import tree_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,15 +68,7 @@ class Estimate:
 
 
 def _specs(tree: Any) -> list[P]:
-    return jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, P))
-
-
-def _nbytes(shape: tuple[int, ...], dtype: Any) -> int:
-    return math.prod(shape) * np.dtype(dtype).itemsize
-
-
-def _local(shape: tuple[int, ...], dtype: Any, spec: P, sizes: dict[str, int]) -> int:
-    return _nbytes(local_shape(shape, spec, sizes), dtype)
+    return jax.tree.leaves(tree, is_leaf=is_spec)
 
 
 def _group(spec: P, base: P, sizes: dict[str, int]) -> int:
@@ -113,22 +105,22 @@ def estimate(
     stages = sizes.get("stage", 1)
     b_local = work.global_batch / dp
 
-    param_local = sum(_local(x.shape, x.dtype, s, sizes) for x, s in zip(params, p_specs, strict=True))
-    opt_local = sum(_local(x.shape, x.dtype, s, sizes) for x, s in zip(opt, o_specs, strict=True))
-    grad_full = [_local(x.shape, x.dtype, bs, sizes) for x, bs in zip(params, base, strict=True)]
+    param_local = sum(local_bytes(x, s, sizes) for x, s in zip(params, p_specs, strict=True))
+    opt_local = sum(local_bytes(x, s, sizes) for x, s in zip(opt, o_specs, strict=True))
+    grad_full = [local_bytes(x, bs, sizes) for x, bs in zip(params, base, strict=True)]
     grads_full = sum(grad_full)
     # ZeRO-3 gathers a full copy of each sharded leaf for its use (the local shard stays in the arguments)
     gathered = sum(g for g, ps, bs in zip(grad_full, p_specs, base, strict=True) if spec_axes(ps) != spec_axes(bs))
     act_per_example, split_share, reshard, cuts = work.tensor_split(tuple(_tensor_dim(bs) for bs in base), t)
     act = act_per_example * b_local
-    batch = sum(_nbytes(x.shape, x.dtype) for x in jax.tree.leaves(work.batch)) / dp
+    batch = tree_bytes(work.batch) / dp
     state = (param_local + opt_local) / stages
     # Two peaks: the backward's start (every residual, the gathered parameters and the first, largest gradient
     # leaf) and the gradient reduction (one combined collective: its full input and its output both live).
     if dp == 1:
         reduction = grads_full
     elif plan.zero_stage >= 2 and profile.native_reduce_scatter:  # + the scattered output
-        reduction = grads_full + sum(_local(x.shape, x.dtype, s, sizes) for x, s in zip(params, g_specs, strict=True))
+        reduction = grads_full + sum(local_bytes(x, s, sizes) for x, s in zip(params, g_specs, strict=True))
     else:  # all-reduced (on CPU also under ZeRO-2/3: an all-reduce and a slice)
         reduction = 2 * grads_full
     temp = max(act + gathered + max(grad_full, default=0), reduction) / stages
@@ -150,7 +142,7 @@ def estimate(
             combined[(kind, n)] = combined.get((kind, n), 0.0) + nbytes
 
     for x, zs, bs in zip(params, sharded, base, strict=True):
-        full = _local(x.shape, x.dtype, bs, sizes)
+        full = local_bytes(x, bs, sizes)
         z = _group(zs, bs, sizes) if plan.zero_stage >= 1 else 1
         if plan.zero_stage >= 2 and profile.native_reduce_scatter:
             grad_sync("reduce_scatter", full, z)
@@ -159,8 +151,8 @@ def estimate(
             grad_sync("all_reduce", full, dp)
         coll("all_gather", full, z)
         upd_param += full / z
-    for (kind, n), nbytes in combined.items():
-        coll(kind, nbytes, n)
+    for (kind, n), size in combined.items():
+        coll(kind, size, n)
     tokens = b_local * work.tokens_per_example
     if t > 1:
         for x, bs in zip(params, base, strict=True):

@@ -25,6 +25,9 @@ from typing import Any, NamedTuple
 
 from jax.extend.core import Literal
 
+from openhosti_jax.flops import dot_flops
+from openhosti_jax.sizes import leaf_bytes
+
 Dim = int | None
 """The marked (tensor-split) dim of a value, or None when replicated."""
 
@@ -103,13 +106,6 @@ def _out_dim(eqn: Any, dims: list[Dim], t: int) -> Dim:
     return None
 
 
-def dot_flops(eqn: Any) -> float:
-    """FLOPs of one ``dot_general`` equation (2 x contracted size x output size)."""
-    (lc, _), _ = eqn.params["dimension_numbers"]
-    k = math.prod(eqn.invars[0].aval.shape[d] for d in lc)
-    return 2.0 * k * math.prod(eqn.outvars[0].aval.shape)
-
-
 class Propagation(NamedTuple):
     """What a tensor split does to a jaxpr."""
 
@@ -155,6 +151,6 @@ def propagate(jaxpr: Any, in_dims: Sequence[Dim], t: int) -> Propagation:
             dims[o] = _out_dim(eqn, ins, t) if len(eqn.outvars) == 1 or eqn.primitive.name == "split" else None
         if all(dims[o] is None for o in eqn.outvars) and not eqn.primitive.name.startswith(("reduce_", "arg")):
             marked = next(v for v, d in zip(eqn.invars, ins, strict=True) if d is not None)
-            reshard += math.prod(marked.aval.shape) * marked.aval.dtype.itemsize
+            reshard += leaf_bytes(marked)
             cut += eqn.primitive.name == "reshape"
     return Propagation(dims, splits, reshard, cut)

@@ -10,10 +10,10 @@ alternating rounds so machine noise spreads over all of them; the median step ti
 Example:
     >>> import jax, jax.numpy as jnp, optax
     >>> from flax import nnx
-    >>> from openhosti_jax.planner import plan
-    >>> p = plan(nnx.Linear(64, 64, rngs=nnx.Rngs(0)), optax.sgd(0.1), jax.ShapeDtypeStruct((8, 64), jnp.float32),
-    ...          jax.devices()[:1], refine=1)
-    >>> any(n.startswith("refined") for n in p.notes)
+    >>> from openhosti_jax.planner import choose_plan
+    >>> _, report = choose_plan(nnx.Linear(64, 64, rngs=nnx.Rngs(0)), optax.sgd(0.1),
+    ...                         jax.ShapeDtypeStruct((8, 64), jnp.float32), jax.devices()[:1], refine=1)
+    >>> any(n.startswith("refined") for n in report.notes)
     True
 """
 
@@ -30,9 +30,13 @@ import optax
 
 from openhosti_jax.mesh.build import build_mesh
 from openhosti_jax.mesh.config import MeshConfig
-from openhosti_jax.planner.plan import ShardingPlan
-from openhosti_jax.planner.verify import StepFn, abstract_state
 from openhosti_jax.planner.workload import Workload
+from openhosti_jax.sharding.batch import place_batch
+from openhosti_jax.sharding.plan import ShardingPlan
+from openhosti_jax.state.contracts import StepFn
+from openhosti_jax.state.init import init_state
+from openhosti_jax.state.jit import jit_step
+from openhosti_jax.state.model import ModelParts
 from openhosti_jax.state.train_state import TrainState
 
 MEASURED_TIE = 0.02
@@ -45,15 +49,8 @@ def _zeros(tree: Any) -> Any:
 
 def sharded_state(plan: ShardingPlan, work: Workload, tx: optax.GradientTransformation, mesh: Any) -> TrainState:
     """A zero-initialised `TrainState` for ``work`` placed in ``plan``'s shardings on ``mesh``."""
-    abstract = abstract_state(work, tx)
-    shardings = plan.shardings(mesh, plan.state_specs(abstract))
-
-    def build(key: jax.Array) -> TrainState:
-        return TrainState.create(
-            apply_fn=work.apply_fn, params=_zeros(work.params), tx=tx, rng=key, model_state=work.model_state
-        )
-
-    return jax.jit(build, out_shardings=shardings)(jax.random.key(0))
+    parts = ModelParts(lambda _: (_zeros(work.params), work.model_state), work.params, None, work.apply_fn)
+    return init_state(parts, tx, mesh, plan)
 
 
 def time_plans(
@@ -68,16 +65,20 @@ def time_plans(
     rounds: int = 2,
 ) -> list[float]:
     """Median measured seconds per step of each plan (compiled once each, one warm-up step)."""
-    from openhosti_jax.train.step import spmd
-
     batch = jax.tree.map(
         lambda x: jnp.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x, sample_batch
     )
     runs = []
     for p in plans:
         mesh = build_mesh(MeshConfig.from_sizes(dict(p.mesh_shape)), devices)
-        step = spmd(step_fn, mesh=mesh, plan=p)
-        state, metrics = step(sharded_state(p, work, tx, mesh), batch)
+        state, placed = sharded_state(p, work, tx, mesh), place_batch(batch, mesh, p.batch_spec)
+        fn, _ = jit_step(step_fn, p, mesh, state, placed)
+
+        def step(s: TrainState, fn: Any = fn, mesh: Any = mesh, b: Any = placed) -> tuple[TrainState, Any]:
+            with jax.set_mesh(mesh):
+                return fn(s, b)
+
+        state, metrics = step(state)
         jax.block_until_ready(metrics)
         runs.append([step, state, []])
     for _ in range(rounds):
@@ -85,7 +86,7 @@ def time_plans(
             step, state, times = run
             for _ in range(steps):
                 t = time.perf_counter()
-                state, metrics = step(state, batch)
+                state, metrics = step(state)
                 jax.block_until_ready(metrics)
                 times.append(time.perf_counter() - t)
             run[1] = state

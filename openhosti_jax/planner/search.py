@@ -16,28 +16,30 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 from typing import Any
 
 import jax
-import numpy as np
 import optax
 from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
 
 from openhosti_jax.errors import MemoryBudgetError, PlanningError
 from openhosti_jax.mesh.build import mesh_sizes
 from openhosti_jax.mesh.config import AXES
-from openhosti_jax.optim.zero import ZERO_AXES, zero_specs
+from openhosti_jax.planner.calibrate import device_profile
 from openhosti_jax.planner.cost import Estimate, estimate
-from openhosti_jax.planner.plan import ShardingPlan
-from openhosti_jax.planner.profile import DeviceProfile, device_profile
-from openhosti_jax.planner.report import format_bytes
-from openhosti_jax.planner.rules import DEFAULT_RULES, Rules
-from openhosti_jax.planner.specs import DEFAULT_MIN_ELEMENTS, spec_axes
-from openhosti_jax.planner.tensor import base_specs
-from openhosti_jax.planner.workload import ApplyFn, Workload, measure
+from openhosti_jax.planner.profiles import DeviceProfile
+from openhosti_jax.planner.verify import compiled_step_bytes
+from openhosti_jax.planner.workload import Workload, measure
+from openhosti_jax.sharding.plan import ShardingPlan
+from openhosti_jax.sharding.report import CandidateRow, PlanReport
+from openhosti_jax.sharding.rules import DEFAULT_RULES, Rules
+from openhosti_jax.sharding.specs import DEFAULT_MIN_ELEMENTS, is_spec, spec_axes
+from openhosti_jax.sharding.table import format_bytes
+from openhosti_jax.sharding.tensor import base_specs
+from openhosti_jax.sharding.zero import ZERO_AXES, zero_specs
+from openhosti_jax.sizes import divisors, tree_bytes
+from openhosti_jax.state.contracts import ApplyFn
 
 TIE = 0.01
 """Predicted times within this fraction of the best are ties. The model resolves more than this: on gpt it put
@@ -71,18 +73,19 @@ class Scored:
     plan: ShardingPlan
     estimate: Estimate
 
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    def row(self) -> CandidateRow:
+        """The candidate's line in a report's ranking."""
+        e = self.estimate
+        return CandidateRow(self.candidate.label, e.seconds, e.bytes, e.comm_bytes)
 
 
 def enumerate_candidates(n_devices: int, *, pipeline: bool = False, tensor: bool = True) -> list[Candidate]:
     """Every distinct (mesh shape, ZeRO stage) for ``n_devices``."""
     out = []
-    for s in _divisors(n_devices) if pipeline else [1]:
-        for t in _divisors(n_devices // s) if tensor else [1]:
+    for s in divisors(n_devices) if pipeline else [1]:
+        for t in divisors(n_devices // s) if tensor else [1]:
             rest = n_devices // (s * t)
-            for f in _divisors(rest):
+            for f in divisors(rest):
                 shape = {"stage": s, "data": rest // f, "fsdp": f, "tensor": t}
                 stages = [0] if f == 1 else [1, 2, 3]
                 axes = ("fsdp",) if rest // f > 1 else ZERO_AXES
@@ -114,7 +117,6 @@ def score(
         min_elements=min_elements,
         zero_axes=candidate.zero_axes,
         pipeline_stages=sizes["stage"],
-        param_shapes=work.params,
     )
     if plan.zero_stage == 3:
         sharded = plan.param_specs
@@ -124,21 +126,17 @@ def score(
         sharded = zero_specs(
             work.params, tx, sizes, 3, base_specs=base, axes=candidate.zero_axes, min_elements=min_elements
         )[0]
-    est = estimate(plan, work, tx, profile, base, sharded)
-    plan = dataclasses.replace(
-        plan, predicted_bytes=est.bytes, predicted_seconds=est.seconds, predicted_comm_bytes=int(est.comm_bytes)
-    )
-    return Scored(candidate, plan, est)
+    return Scored(candidate, plan, estimate(plan, work, tx, profile, base, sharded))
 
 
 def _uses_tensor(scored: Scored) -> bool:
-    specs = jax.tree.leaves(scored.plan.param_specs, is_leaf=lambda x: isinstance(x, P))
+    specs = jax.tree.leaves(scored.plan.param_specs, is_leaf=is_spec)
     return any("tensor" in spec_axes(s) for s in specs)
 
 
 def gradient_bytes(work: Workload) -> int:
     """Bytes of the full gradient: the largest collective a candidate issues (its combined reduction)."""
-    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(work.params))
+    return tree_bytes(work.params)
 
 
 def search(
@@ -213,12 +211,20 @@ def why(ranked: Sequence[Scored], scored: Sequence[Scored], memory_budget: int |
     return tuple(notes)
 
 
-def candidate_lines(ranked: Sequence[Scored], top: int = 8) -> tuple[str, ...]:
-    """Ranking table rows."""
-    return tuple(
-        f"{s.candidate.label:<32} {s.estimate.seconds * 1e3:9.2f} ms  {format_bytes(s.estimate.bytes):>12}"
-        f"  comm {format_bytes(s.estimate.comm_bytes):>12}"
-        for s in ranked[:top]
+def report_for(
+    winner: Scored, ranked: Sequence[Scored], notes: Sequence[str], work: Workload, compiled_bytes: int | None = None
+) -> PlanReport:
+    """The `PlanReport` of ``winner``: its predictions, the ranking as data, the reasons."""
+    e = winner.estimate
+    return PlanReport(
+        winner.plan,
+        work.params,
+        predicted_bytes=e.bytes,
+        predicted_seconds=e.seconds,
+        predicted_comm_bytes=int(e.comm_bytes),
+        compiled_bytes=compiled_bytes,
+        candidates=tuple(s.row() for s in ranked),
+        notes=tuple(notes),
     )
 
 
@@ -235,8 +241,8 @@ def plan_on_mesh(
     device_profile_: DeviceProfile | str | None = None,
     rules: Rules = DEFAULT_RULES,
     verify: bool = True,
-) -> ShardingPlan:
-    """The best ZeRO stage (and tensor-parallel specs when ``tensor`` > 1) on a given ``mesh``.
+) -> tuple[ShardingPlan, PlanReport]:
+    """(plan, report) for the best ZeRO stage (and tensor-parallel specs when ``tensor`` > 1) on ``mesh``.
 
     Without ``sample_batch`` (and ``apply_fn``) activations are unknown and the choice rests on state memory and
     gradient traffic. With ``step_fn`` and ``sample_batch`` the winner is AOT-compiled to record its bytes.
@@ -250,10 +256,8 @@ def plan_on_mesh(
     stages = [0] if dp == 1 else [0, 1, 2, 3]
     scored = search(work, tx, [Candidate(sizes, z) for z in stages], profile, rules=rules)
     ranked = rank(scored, budget)
-    winner = ranked[0].plan
-    plan = dataclasses.replace(winner, notes=why(ranked, scored, budget), candidates=candidate_lines(ranked))
+    winner = ranked[0]
+    compiled = None
     if verify and step_fn is not None and sample_batch is not None:
-        from openhosti_jax.planner.verify import compiled_step_bytes
-
-        plan = dataclasses.replace(plan, compiled_bytes=compiled_step_bytes(plan, work, tx, step_fn, mesh))
-    return plan
+        compiled = compiled_step_bytes(winner.plan, work, tx, step_fn, mesh)
+    return winner.plan, report_for(winner, ranked, why(ranked, scored, budget), work, compiled)

@@ -1,20 +1,21 @@
-"""AOT verification: compile the real train step for a plan from abstract state and read XLA's memory analysis.
-
-Per-device bytes = arguments + outputs + temporaries - aliased (donated) bytes. A backend that reports all
-zeros gives ``None`` (unknown), never 0. ``peak_memory_in_bytes`` is not used: on CPU it reports about the
-argument size only.
+"""AOT verification: compile the train step for a plan from abstract state and batch, and read XLA's memory
+analysis (`openhosti_jax.state.jit.memory_bytes`). Nothing is allocated.
 
 Example:
-    >>> import jax, jax.numpy as jnp
-    >>> from openhosti_jax.planner.verify import memory_bytes
-    >>> c = jax.jit(lambda x: x * 2).lower(jax.ShapeDtypeStruct((1024,), jnp.float32)).compile()
-    >>> memory_bytes(c) >= 4096
+    >>> import jax, jax.numpy as jnp, optax
+    >>> from flax import nnx
+    >>> from openhosti_jax import build_mesh, MeshConfig
+    >>> from openhosti_jax.sharding import ShardingPlan
+    >>> from openhosti_jax.planner.verify import compiled_step_bytes
+    >>> from openhosti_jax.planner.workload import workload
+    >>> work = workload(nnx.Linear(64, 64, rngs=nnx.Rngs(0)), jax.ShapeDtypeStruct((8, 64), jnp.float32))
+    >>> plan = ShardingPlan.from_zero(work.params, optax.sgd(0.1), {"data": 8}, 0)
+    >>> compiled_step_bytes(plan, work, optax.sgd(0.1), default_step, build_mesh(MeshConfig(data=8))) > 16384
     True
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -22,21 +23,11 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
-from openhosti_jax.microbatch.probe import footprint_bytes, memory_stats
-from openhosti_jax.planner.plan import ShardingPlan
 from openhosti_jax.planner.workload import Workload
+from openhosti_jax.sharding.plan import ShardingPlan
+from openhosti_jax.state.contracts import StepFn
+from openhosti_jax.state.jit import jit_step, memory_bytes
 from openhosti_jax.state.train_state import TrainState
-
-StepFn = Callable[[TrainState, Any], tuple[TrainState, Any]]
-
-
-def memory_bytes(compiled: jax.stages.Compiled) -> int | None:
-    """Per-device bytes of a compiled program (None when the backend does not report them)."""
-    stats = memory_stats(compiled)
-    if stats is None:
-        return None
-    total = footprint_bytes(stats)
-    return total if total > 0 else None
 
 
 def abstract_state(work: Workload, tx: optax.GradientTransformation) -> TrainState:
@@ -67,9 +58,10 @@ def lower_step(
     plan: ShardingPlan, work: Workload, tx: optax.GradientTransformation, step_fn: StepFn, mesh: Mesh
 ) -> jax.stages.Lowered:
     """The step lowered with the plan's shardings and donation, from abstract state and batch."""
-    from openhosti_jax.train.step import spmd
-
-    return spmd(step_fn, mesh=mesh, plan=plan).lower(abstract_state(work, tx), work.batch)
+    state = abstract_state(work, tx)
+    fn, _ = jit_step(step_fn, plan, mesh, state, work.batch)
+    with jax.set_mesh(mesh):
+        return fn.lower(state, work.batch)
 
 
 def compiled_step_bytes(

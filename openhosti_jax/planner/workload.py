@@ -19,21 +19,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import linen, nnx
 from jax.extend.core import Literal
 
-from openhosti_jax.errors import BatchError, StateError
-from openhosti_jax.planner.propagate import dot_flops, propagate
-from openhosti_jax.planner.rules import unbox
-
-ApplyFn = Callable[..., Any]
-"""``apply(params, batch, model_state=None) -> outputs`` (the convention of `state.nnx_apply_fn`)."""
+from openhosti_jax.errors import BatchError
+from openhosti_jax.flops import count_flops
+from openhosti_jax.planner.propagate import propagate
+from openhosti_jax.sharding.rules import unbox
+from openhosti_jax.sizes import leaf_bytes
+from openhosti_jax.state.contracts import ApplyFn
+from openhosti_jax.state.model import abstract, model_parts
 
 _ELEMENTWISE = frozenset(
     "add sub mul div neg exp log log1p expm1 tanh logistic sqrt rsqrt integer_pow pow max min abs sign select_n "
@@ -87,8 +85,9 @@ class Workload:
         if key not in self._split_cache:
             in_dims = list(param_dims) + [None] * (len(self.jaxpr.invars) - len(param_dims))
             dims, split_flops, reshard, cut = propagate(self.jaxpr, in_dims, t)
-            act = sum(_nbytes(v) / (t if dims.get(v) is not None else 1) for v in _saved(self.residuals, self.outputs))
-            total = _dot_flops(self.jaxpr)
+            saved = _saved(self.residuals, self.outputs)
+            act = sum(leaf_bytes(v) / (t if dims.get(v) is not None else 1) for v in saved)
+            total = count_flops(self.jaxpr, matmul_only=True)
             self._split_cache[key] = TensorSplit(act, split_flops / total if total else 0.0, reshard, cut)
         return self._split_cache[key]
 
@@ -106,10 +105,6 @@ class TensorSplit(NamedTuple):
     """Reshapes that cut the split dim into parts the axis does not divide (e.g. heads): the split is unusable."""
 
 
-def _abstract(x: Any) -> Any:
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a)), x)
-
-
 def _batch_size(batch: Any) -> int:
     sizes = {np.shape(x)[0] for x in jax.tree.leaves(batch) if np.ndim(x)}
     if len(sizes) != 1:
@@ -119,58 +114,6 @@ def _batch_size(batch: Any) -> int:
 
 def _resize(batch: Any, n: int) -> Any:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct((n, *x.shape[1:]), x.dtype) if x.ndim else x, batch)
-
-
-def resolve_model(model: Any, sample_batch: Any, seed: int = 0) -> tuple[Any, Any, ApplyFn | None]:
-    """(abstract params, model_state, apply_fn) for an nnx module, a linen module or an ``init_fn(rng)``."""
-    if isinstance(model, linen.Module):
-        params = jax.eval_shape(lambda r: model.init(r, sample_batch)["params"], jax.random.key(seed))
-        return params, None, lambda p, b, model_state=None: model.apply({"params": p}, b)
-    if isinstance(model, nnx.Module):
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-        return _abstract_state(params), _abstract_state(rest), _nnx_apply(graphdef)
-    if not callable(model):
-        raise StateError(f"expected an nnx.Module, a linen Module or an init_fn(rng), found {type(model).__name__}")
-    try:
-        out = jax.eval_shape(model, jax.random.key(seed))
-    except ValueError:  # sharding-annotated nnx variables want a mesh: read the annotations without one
-        try:
-            with nnx.use_eager_sharding(False):
-                out = jax.eval_shape(model, jax.random.key(seed))
-        except Exception as e:  # noqa: BLE001 - the user's init failed on abstract inputs: say so
-            raise StateError(f"init_fn(rng) failed under jax.eval_shape: {e}") from e
-    except Exception as e:  # noqa: BLE001 - the user's init failed on abstract inputs: say so
-        raise StateError(f"init_fn(rng) failed under jax.eval_shape: {e}") from e
-    if isinstance(out, nnx.Module):
-        graphdef, params, rest = nnx.split(out, nnx.Param, ...)
-        return params, rest, _nnx_apply(graphdef)
-    return out, None, None
-
-
-def _abstract_state(state: Any) -> Any:
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
-
-
-def _nnx_apply(graphdef: Any) -> ApplyFn:
-    def apply(params: Any, batch: Any, *args: Any, model_state: Any = None, **kwargs: Any) -> Any:
-        module = nnx.merge(graphdef, params, model_state) if model_state is not None else nnx.merge(graphdef, params)
-        return module(batch, *args, **kwargs)
-
-    return apply
-
-
-def _dot_flops(jaxpr: Any) -> float:
-    total = 0.0
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            total += dot_flops(eqn)
-        mult = float(eqn.params.get("length", 1)) if eqn.primitive.name == "scan" else 1.0
-        for v in eqn.params.values():
-            for sub in v if isinstance(v, tuple | list) else (v,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    total += mult * _dot_flops(inner)
-    return total
 
 
 def _per_example_residuals(jaxpr: Any, n_params: int) -> tuple[Any, ...]:
@@ -208,16 +151,12 @@ def _saved(residuals: tuple[Any, ...], outputs: tuple[Any, ...]) -> tuple[Any, .
     return residuals + outputs + outputs
 
 
-def _nbytes(v: Any) -> float:
-    return float(math.prod(v.aval.shape) * v.aval.dtype.itemsize)
-
-
 def measure(params: Any, model_state: Any, apply_fn: ApplyFn | None, batch: Any) -> Workload:
     """The `Workload` of abstract ``params`` run by ``apply_fn`` on an abstract global ``batch``.
 
     One trace of the forward pass and its VJP at batch size 1: every batch-dependent residual is per example.
     """
-    batch = _abstract(batch)
+    batch = abstract(batch)
     n = _batch_size(batch)
     if apply_fn is None:
         return Workload(params, model_state, None, batch, n, 0.0, 0.0, 1)
@@ -233,8 +172,8 @@ def measure(params: Any, model_state: Any, apply_fn: ApplyFn | None, batch: Any)
     outputs = tuple(v for v in one.jaxpr.outvars[: len(jax.tree.leaves(shapes[0]))] if not isinstance(v, Literal))
     first = one.out_avals[0]
     tokens = math.prod(first.shape[1:-1]) if first.ndim >= 3 else 1
-    flops = 3.0 * _dot_flops(one.jaxpr)
-    act = sum(_nbytes(v) for v in _saved(residuals, outputs))
+    flops = 3.0 * count_flops(one.jaxpr, matmul_only=True)
+    act = sum(leaf_bytes(v) for v in _saved(residuals, outputs))
     return Workload(
         params,
         model_state,
@@ -251,8 +190,8 @@ def measure(params: Any, model_state: Any, apply_fn: ApplyFn | None, batch: Any)
     )
 
 
-def workload(model: Any, sample_batch: Any, *, apply_fn: ApplyFn | None = None, seed: int = 0) -> Workload:
+def workload(model: Any, sample_batch: Any, *, apply_fn: ApplyFn | None = None) -> Workload:
     """The `Workload` of ``model`` on ``sample_batch`` (arrays or `jax.ShapeDtypeStruct`, global batch)."""
-    batch = _abstract(sample_batch)
-    params, rest, found_apply = resolve_model(model, batch, seed)
-    return measure(params, rest, apply_fn or found_apply, batch)
+    batch = abstract(sample_batch)
+    parts = model_parts(model, batch, apply_fn=apply_fn)
+    return measure(parts.params, parts.model_state, parts.apply_fn, batch)

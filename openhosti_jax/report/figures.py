@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from openhosti_jax.pipeline import make_schedule, simulate
+
 FIGSIZE = (8.0, 4.5)
 """Inches; at `DPI` every PNG is 800 x 450 pixels."""
 DPI = 100
@@ -115,8 +117,6 @@ def pipeline_figure(schedule: dict[str, Any] | None) -> Any:
     """Gantt chart of a simulated pipeline schedule; idle time (the bubble) shaded red."""
     if not schedule:
         raise MissingData("no schedule.json in the run and no --schedule given")
-    from openhosti_jax.pipeline import make_schedule, simulate
-
     sched = make_schedule(
         schedule.get("kind", "1f1b"),
         int(schedule["num_stages"]),

@@ -8,54 +8,43 @@
 Example:
     >>> import jax, jax.numpy as jnp
     >>> from jax.sharding import PartitionSpec as P
-    >>> from openhosti_jax.report.memory import spec_bytes
-    >>> spec_bytes(jax.ShapeDtypeStruct((1024, 64), jnp.float32), P("fsdp", None), {"fsdp": 8})
+    >>> from openhosti_jax.report.memory import tree_spec_bytes
+    >>> tree_spec_bytes({"w": jax.ShapeDtypeStruct((1024, 64), jnp.float32)}, {"w": P("fsdp", None)}, {"fsdp": 8})
     32768
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
 import jax
-from jax.sharding import PartitionSpec as P
 
-from openhosti_jax.microbatch.probe import memory_stats
-from openhosti_jax.planner.plan import ShardingPlan
-
-
-def _is_spec(x: Any) -> bool:
-    return isinstance(x, P)
-
-
-def spec_bytes(leaf: Any, spec: P, mesh_shape: Mapping[str, int]) -> int:
-    """Bytes of one device's shard of ``leaf`` (shape + dtype) under ``spec`` (ceil division per dim)."""
-    shape = list(leaf.shape)
-    for d, entry in enumerate(tuple(spec)[: len(shape)]):
-        names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-        ways = math.prod(int(mesh_shape.get(n, 1)) for n in names)
-        shape[d] = -(-shape[d] // ways)
-    return math.prod(shape) * leaf.dtype.itemsize
+from openhosti_jax.sharding.plan import ShardingPlan
+from openhosti_jax.sharding.report import PlanReport
+from openhosti_jax.sharding.specs import is_spec, local_bytes
+from openhosti_jax.state.jit import memory_stats
 
 
 def tree_spec_bytes(tree: Any, specs: Any, mesh_shape: Mapping[str, int]) -> int:
     """Per-device bytes of every leaf of ``tree`` under the matching leaf of ``specs``."""
     leaves = jax.tree.leaves(tree)
-    spec_leaves = jax.tree.leaves(specs, is_leaf=_is_spec)
-    return sum(spec_bytes(x, s, mesh_shape) for x, s in zip(leaves, spec_leaves, strict=True))
+    spec_leaves = jax.tree.leaves(specs, is_leaf=is_spec)
+    return sum(local_bytes(x, s, mesh_shape) for x, s in zip(leaves, spec_leaves, strict=True))
 
 
-def predicted_memory(plan: ShardingPlan, params: Any, opt_state: Any) -> dict[str, int | None]:
-    """``{"params", "grads", "optimizer", "activations"}`` per-device bytes predicted from the plan."""
+def predicted_memory(
+    plan: ShardingPlan, params: Any, opt_state: Any, predicted_bytes: int | None = None
+) -> dict[str, int | None]:
+    """``{"params", "grads", "optimizer", "activations"}`` per-device bytes predicted from the plan's specs; the
+    activations are ``predicted_bytes`` (the planner's total) less that state, when given."""
     out: dict[str, int | None] = {
         "params": tree_spec_bytes(params, plan.param_specs, plan.mesh_shape),
         "grads": tree_spec_bytes(params, plan.grad_specs, plan.mesh_shape),
         "optimizer": tree_spec_bytes(opt_state, plan.opt_specs, plan.mesh_shape),
     }
     state = out["params"] + out["grads"] + out["optimizer"]
-    out["activations"] = max(plan.predicted_bytes - state, 0) if plan.predicted_bytes else None
+    out["activations"] = max(predicted_bytes - state, 0) if predicted_bytes else None
     return out
 
 
@@ -77,8 +66,9 @@ def resident_memory(state: Any) -> list[dict[str, int]]:
     return [rows[k] for k in sorted(rows)]
 
 
-def plan_record(plan: ShardingPlan, state: Any, compiled: jax.stages.Compiled | None = None) -> dict[str, Any]:
-    """The ``plan.json`` record: plan summary, and the memory breakdown for ``state`` (and ``compiled``)."""
+def plan_record(report: PlanReport, state: Any, compiled: jax.stages.Compiled | None = None) -> dict[str, Any]:
+    """The ``plan.json`` record: the plan, its report, and the memory breakdown for ``state`` (and ``compiled``)."""
+    plan = report.plan
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (state.params, state.opt_state))
     comp = compiled_memory(compiled) if compiled is not None else None
     return {
@@ -87,11 +77,11 @@ def plan_record(plan: ShardingPlan, state: Any, compiled: jax.stages.Compiled | 
         "num_microbatches": plan.num_microbatches,
         "pipeline_stages": plan.pipeline_stages,
         "data_parallel_size": plan.data_parallel_size,
-        "predicted_bytes": plan.predicted_bytes,
-        "compiled_bytes": plan.compiled_bytes,
-        "notes": list(plan.notes),
+        "predicted_bytes": report.predicted_bytes,
+        "compiled_bytes": report.compiled_bytes,
+        "notes": [*report.notes, *report.events],
         "memory": {
-            "predicted": predicted_memory(plan, *abstract),
+            "predicted": predicted_memory(plan, *abstract, report.predicted_bytes),
             "compiled": comp,
             "per_device": resident_memory(state),
         },

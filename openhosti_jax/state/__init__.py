@@ -1,6 +1,23 @@
-"""Sharded training state for Flax linen and nnx models."""
+"""Training state: `TrainState`, the one model intake, sharded init, and the core that jits a step under a plan."""
 
-from openhosti_jax.state.create import abstract_train_state, create_train_state, nnx_apply_fn, resolve_plan
+from openhosti_jax.state.contracts import ApplyFn, LossFn, StepFn
+from openhosti_jax.state.init import abstract_train_state, init_state, state_specs
+from openhosti_jax.state.jit import jit_step, memory_bytes, memory_stats
+from openhosti_jax.state.model import ModelParts, model_parts, nnx_apply_fn
 from openhosti_jax.state.train_state import TrainState
 
-__all__ = ["TrainState", "abstract_train_state", "create_train_state", "nnx_apply_fn", "resolve_plan"]
+__all__ = [
+    "ApplyFn",
+    "LossFn",
+    "ModelParts",
+    "StepFn",
+    "TrainState",
+    "abstract_train_state",
+    "init_state",
+    "jit_step",
+    "memory_bytes",
+    "memory_stats",
+    "model_parts",
+    "nnx_apply_fn",
+    "state_specs",
+]

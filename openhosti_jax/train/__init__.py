@@ -1,8 +1,23 @@
-"""The ``@spmd`` step decorator and the `Trainer` loop."""
+"""Training on top of the core: ``@spmd``, `balanced_step`, `create_train_state` and the `Trainer` loop."""
 
+from openhosti_jax.train.balanced import BalancedStep, balanced_step
+from openhosti_jax.train.create import Strategy, create_train_state, resolve_plan
 from openhosti_jax.train.metrics import MetricsLog, read_metrics
 from openhosti_jax.train.resume import TrainerCheckpoint
-from openhosti_jax.train.step import SpmdStep, shard_batch, spmd
+from openhosti_jax.train.spmd import SpmdStep, spmd
 from openhosti_jax.train.trainer import FitResult, Trainer
 
-__all__ = ["FitResult", "MetricsLog", "SpmdStep", "Trainer", "TrainerCheckpoint", "read_metrics", "shard_batch", "spmd"]
+__all__ = [
+    "BalancedStep",
+    "FitResult",
+    "MetricsLog",
+    "SpmdStep",
+    "Strategy",
+    "Trainer",
+    "TrainerCheckpoint",
+    "balanced_step",
+    "create_train_state",
+    "read_metrics",
+    "resolve_plan",
+    "spmd",
+]

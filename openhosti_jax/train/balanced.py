@@ -1,6 +1,6 @@
-"""`BalancedStep`: a train step whose microbatches are spread over the data-parallel devices by measured speed.
+"""`balanced_step`: a train step whose microbatches are spread over the data-parallel devices by measured speed.
 
-``@spmd(..., balance=True)`` builds one from a ``loss_fn(params, microbatch, rng) -> (loss_sum, num_real)``: each
+It is built from a ``loss_fn(params, microbatch, rng) -> (loss_sum, num_real)`` (`openhosti_jax.state.LossFn`): each
 global batch is cut into ``microbatches`` pieces, a `openhosti_jax.balance.Balancer` gives a slow device fewer of them,
 and the gradient stays the exact mean over all real samples.
 
@@ -10,7 +10,7 @@ Example:
     >>> mesh = oh.build_mesh(oh.MeshConfig(data=4), devices=jax.devices()[:4])
     >>> state, plan = oh.create_train_state(lambda r: {"w": jnp.ones(2)}, optax.sgd(0.1), mesh, plan="dp")
     >>> loss_fn = lambda p, mb, rng: (jnp.sum((mb["x"] @ p["w"]) ** 2), jnp.float32(mb["x"].shape[0]))
-    >>> step = oh.spmd(loss_fn, mesh=mesh, plan=plan, balance=True, microbatches=8)
+    >>> step = oh.balanced_step(loss_fn, mesh=mesh, plan=plan, microbatches=8)
     >>> state, m = step(state, {"x": np.ones((16, 2), np.float32)})
     >>> float(m["loss"]), int(state.step)
     (4.0, 1)
@@ -18,15 +18,16 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from openhosti_jax.errors import BatchError, ShardingError
-from openhosti_jax.planner.plan import ShardingPlan
+from openhosti_jax.balance import Balancer
+from openhosti_jax.errors import BatchError, ShardingError, StateError
+from openhosti_jax.sharding.plan import ShardingPlan
+from openhosti_jax.state.contracts import LossFn
 from openhosti_jax.state.train_state import TrainState
 
 
@@ -35,7 +36,7 @@ class BalancedStep:
 
     def __init__(
         self,
-        loss_fn: Callable[..., tuple[jax.Array, jax.Array]],
+        loss_fn: LossFn,
         mesh: Mesh,
         plan: ShardingPlan,
         *,
@@ -43,11 +44,9 @@ class BalancedStep:
         axis: str = "data",
         **balancer_kw: Any,
     ):
-        from openhosti_jax.balance import Balancer
-
         if plan.zero_stage == 3 and plan.mesh_shape.get("fsdp", 1) > 1:
             raise ShardingError(
-                "balance=True needs parameters replicated over the data-parallel devices, found a ZeRO-3 plan "
+                "a balanced step needs parameters replicated over the data-parallel devices, found a ZeRO-3 plan "
                 "sharding them on fsdp; use plan='dp', 'zero1' or 'zero2'"
             )
         self.mesh, self.plan, self.microbatches = mesh, plan, microbatches
@@ -77,3 +76,19 @@ class BalancedStep:
             loss, grads, n_real = self.balancer(state.params, jax.tree.map(split, batch), rng)
             state = self._apply(state, grads)
         return state, {"loss": loss, "num_real": n_real, "counts": list(self.balancer.counts)}
+
+
+def balanced_step(
+    loss_fn: LossFn, *, mesh: Mesh, plan: ShardingPlan, microbatches: int | None = None, **balancer_kw: Any
+) -> BalancedStep:
+    """A `BalancedStep` for ``loss_fn`` on ``mesh`` by ``plan`` (ZeRO 0-2: parameters replicated over ``data``).
+
+    Every global batch is cut into ``microbatches`` pieces (default 4 per data-parallel device) that a
+    `openhosti_jax.balance.Balancer` spreads over the devices by measured speed; ``balancer_kw`` go to it.
+    """
+    if not isinstance(plan, ShardingPlan) or not isinstance(mesh, Mesh):
+        raise StateError(
+            f"balanced_step needs mesh= a jax Mesh and plan= a ShardingPlan, found {type(mesh).__name__} and "
+            f"{type(plan).__name__}; create both with create_train_state"
+        )
+    return BalancedStep(loss_fn, mesh, plan, microbatches=microbatches or 4 * plan.mesh_shape["data"], **balancer_kw)

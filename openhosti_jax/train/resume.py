@@ -21,7 +21,8 @@ from typing import Any
 
 import jax
 
-from openhosti_jax.state.create import abstract_train_state
+from openhosti_jax.checkpoint import CheckpointManager
+from openhosti_jax.state.init import abstract_train_state
 from openhosti_jax.state.train_state import TrainState
 
 
@@ -46,8 +47,6 @@ class TrainerCheckpoint:
         replicate_to: str | os.PathLike | None = None,
         meta: dict[str, Any] | None = None,
     ):
-        from openhosti_jax.checkpoint import CheckpointManager
-
         self.manager = CheckpointManager(
             directory,
             every_minutes=every_minutes,

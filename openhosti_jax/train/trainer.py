@@ -25,6 +25,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from tqdm.auto import tqdm
 
 from openhosti_jax.errors import StateError
 from openhosti_jax.state.train_state import TrainState
@@ -101,8 +102,6 @@ class Trainer:
 
     def fit(self, state: TrainState, data: Iterable[Any], num_steps: int) -> FitResult:
         """Train until ``state.step == num_steps`` (a resumed state continues), or the data ends, or Ctrl-C."""
-        from tqdm.auto import tqdm
-
         data_iter: Iterator[Any] = iter(data)
         if self.checkpoint is not None:
             state = self.checkpoint.restore_latest(state, data_iter)

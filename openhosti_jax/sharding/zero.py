@@ -5,7 +5,7 @@ reduce-scatters gradients; 3 also shards parameters (FSDP), which XLA gathers pe
 
 Example:
     >>> import jax, jax.numpy as jnp, optax
-    >>> from openhosti_jax.optim.zero import zero_specs
+    >>> from openhosti_jax.sharding.zero import zero_specs
     >>> params = {"w": jax.ShapeDtypeStruct((1024, 64), jnp.float32)}
     >>> p, g, o = zero_specs(params, optax.adam(1e-3), {"data": 8, "fsdp": 1}, stage=1)
     >>> p["w"], o[0].mu["w"]
@@ -22,14 +22,10 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from openhosti_jax.errors import PlanningError
-from openhosti_jax.planner.specs import DEFAULT_MIN_ELEMENTS, auto_spec
+from openhosti_jax.sharding.specs import DEFAULT_MIN_ELEMENTS, auto_spec, is_spec
 
 ZERO_AXES: tuple[str, ...] = ("data", "fsdp")
 """The data-parallel axes ZeRO shards state over."""
-
-
-def _is_spec(x: Any) -> bool:
-    return isinstance(x, P)
 
 
 def opt_state_specs(tx: optax.GradientTransformation, params: Any, leaf_specs: Any) -> Any:
@@ -42,7 +38,7 @@ def opt_state_specs(tx: optax.GradientTransformation, params: Any, leaf_specs: A
         abstract_state,
         leaf_specs,
         transform_non_params=lambda _: P(),
-        is_leaf=_is_spec,
+        is_leaf=is_spec,
     )
 
 

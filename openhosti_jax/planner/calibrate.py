@@ -1,178 +1,34 @@
-"""Device profiles for the cost model: peak FLOP/s, memory bandwidth, link alpha-beta per collective, memory size.
+"""Calibration: measure a `DeviceProfile` for devices with no spec sheet (CPU, any unknown kind), and choose the
+profile for a device set.
 
-Accelerators come from their published specs; CPU (and any unknown kind) is measured at run time by
-`calibrate`: a matmul and in-place elementwise streaming over working sets of 512 KiB .. 32 MiB
-(`DeviceProfile.memory_curve`: small steps stream from the caches) run on every device at once (so shared cores
-and caches are accounted for), and all-reduce / all-gather / reduce-scatter at several sizes (16 KiB .. 8 MiB,
-and on up to the largest collective the model needs, `calibration_sizes`; alternated, medians) over every group
-size give each collective's measured curve (`DeviceProfile.link_curve`), and over all devices its latency
-(alpha) and bandwidth (beta) by a least-squares fit (`fit_alpha_beta`). A calibrated profile prices a collective
-by interpolating the curve of its group size, because caches and protocol switches make the bandwidth depend on
-the size (on this CPU the cross-process all-reduce bandwidth halves between 8 and 32 MiB), which one straight
-line cannot follow, and small groups meet faster than large ones. Any field can be
-overridden with `dataclasses.replace` or by passing a profile to the planner.
+`calibrate` times, on every device at once (so shared cores and caches are accounted for): a matmul; in-place
+elementwise streaming over working sets of 512 KiB .. 32 MiB (`DeviceProfile.memory_curve`: small steps stream from
+the caches); and all-reduce / all-gather / reduce-scatter at several sizes (16 KiB .. 8 MiB, and on up to the largest
+collective the model needs, `calibration_sizes`; alternated, medians) over every group size. They give each
+collective's measured curve (`DeviceProfile.link_curve`), and over all devices its latency (alpha) and bandwidth
+(beta) by a least-squares fit (`fit_alpha_beta`).
 
 Example:
-    >>> from openhosti_jax.planner.profile import PROFILES
-    >>> p = PROFILES["H100"]
-    >>> round(p.collective_seconds("all_reduce", 2**30, 8) * 1e3, 1)  # 1 GiB all-reduce over 8 GPUs, in ms
-    4.2
+    >>> from openhosti_jax.planner.calibrate import device_profile
+    >>> device_profile(override="H200").memory_bytes // 2**30
+    141
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from openhosti_jax.errors import PlanningError
-
-COLLECTIVES: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter")
-"""Collective kinds the cost model prices."""
-
-
-@dataclasses.dataclass(frozen=True)
-class DeviceProfile:
-    """Speeds of one device and its links (per device, as seen while all devices work at once)."""
-
-    name: str
-    """Device kind, e.g. ``"H100"`` or ``"cpu (measured)"``."""
-    peak_flops: float
-    """Dense matmul FLOP/s one device sustains."""
-    memory_bandwidth: float
-    """Bytes/s of elementwise (memory-bound) work per device."""
-    link_bandwidth: Mapping[str, float]
-    """Collective kind -> bus bandwidth in bytes/s (the beta of the alpha-beta model)."""
-    link_latency: float
-    """Seconds of fixed cost per collective (alpha)."""
-    memory_bytes: int | None = None
-    """Device memory, the default memory budget (None: unknown, no default budget)."""
-    link_curve: Mapping[str, Mapping[int, tuple[tuple[float, float], ...]]] = dataclasses.field(default_factory=dict)
-    """Collective kind -> group size -> measured ``(bus bytes, seconds)`` points, sizes ascending, times
-    non-decreasing. Where given, it prices that collective by piecewise-linear interpolation, each end segment
-    extended, on the curve of the nearest measured group size (a small group's rendezvous is cheaper: on 8
-    simulated CPU devices a 32 KiB all-reduce takes ~70 us over pairs, ~180 us over all 8); empty (spec-sheet
-    profiles): the alpha-beta line."""
-    memory_curve: tuple[tuple[float, float], ...] = ()
-    """Measured ``(working-set bytes per device, bytes/s)`` points of elementwise work, sizes ascending,
-    bandwidths non-increasing (a working set that fits the caches streams faster: on this CPU, with all 8
-    simulated devices busy, ~8 GB/s per device up to 2 MiB, ~6 at 8 MiB, ~4 at 32 MiB). Where given, `memory_seconds`
-    interpolates it (log scale, clamped at the ends); empty (spec-sheet profiles): ``memory_bandwidth``."""
-    launch_seconds: float = 0.0
-    """Seconds a program takes to start and finish on all devices, paid once per step: a calibration times each
-    kernel as a program of its own and subtracts this, so a collective is priced as one op inside the step."""
-    native_reduce_scatter: bool = True
-    """Whether a sharded gradient is reduce-scattered in place. XLA's CPU backend lowers GSPMD's reduce-scatter
-    as a full all-reduce and a slice, so the full gradient is live twice (its input and output), as under ZeRO-0."""
-
-    def __post_init__(self) -> None:
-        problems = [
-            f"{k}={getattr(self, k)!r} must be > 0"
-            for k in ("peak_flops", "memory_bandwidth")
-            if not getattr(self, k) > 0
-        ]
-        missing = [c for c in COLLECTIVES if c not in self.link_bandwidth]
-        if missing:
-            problems.append(f"link_bandwidth lacks {missing}; give bytes/s for each of {COLLECTIVES}")
-        problems += [f"link_bandwidth[{k!r}]={v!r} must be > 0" for k, v in self.link_bandwidth.items() if v <= 0]
-        for kind, groups in self.link_curve.items():
-            if kind not in COLLECTIVES or not isinstance(groups, Mapping) or not groups:
-                problems.append(
-                    f"link_curve[{kind!r}] must map a kind in {COLLECTIVES} to {{group size: points}}; found {groups!r}"
-                )
-                continue
-            for n, points in groups.items():
-                x, t = np.asarray([p[0] for p in points], float), np.asarray([p[1] for p in points], float)
-                if (
-                    not (isinstance(n, int) and n >= 2)
-                    or len(points) < 2
-                    or (np.diff(x) <= 0).any()
-                    or (np.diff(t) < 0).any()
-                ):
-                    problems.append(
-                        f"link_curve[{kind!r}][{n!r}] must be a group size >= 2 with >= 2 (bus bytes, seconds) "
-                        f"points, sizes increasing and times non-decreasing; found {points}"
-                    )
-        ws, bw = np.asarray([p[0] for p in self.memory_curve], float), np.asarray([p[1] for p in self.memory_curve])
-        if self.memory_curve and (
-            len(ws) < 2 or (ws <= 0).any() or (np.diff(ws) <= 0).any() or (bw <= 0).any() or (np.diff(bw) > 0).any()
-        ):
-            problems.append(
-                "memory_curve must hold >= 2 (working-set bytes, bytes/s) points, sizes increasing and > 0, "
-                f"bandwidths > 0 and non-increasing; found {self.memory_curve}"
-            )
-        if self.launch_seconds < 0:
-            problems.append(f"launch_seconds={self.launch_seconds!r} must be >= 0")
-        if self.link_latency < 0:
-            problems.append(f"link_latency={self.link_latency!r} must be >= 0")
-        if problems:
-            raise PlanningError("invalid DeviceProfile: " + "; ".join(problems))
-
-    def collective_seconds(self, kind: str, nbytes: float, n: int) -> float:
-        """Time of one collective over groups of ``n`` devices on a buffer of ``nbytes`` (the full buffer).
-
-        Bus bytes: all-reduce 2(n-1)/n * bytes, all-gather and reduce-scatter (n-1)/n * bytes; priced on the
-        measured curve (`link_curve`) or the alpha-beta line ``latency + bus / bandwidth``.
-        """
-        if n <= 1 or nbytes <= 0:
-            return 0.0
-        bus = bus_bytes(kind, nbytes, n)
-        if kind in self.link_curve:
-            groups = self.link_curve[kind]
-            nearest = min(groups, key=lambda g: (abs(np.log(g / n)), -g))
-            return _interpolate(groups[nearest], bus)
-        return self.link_latency + bus / self.link_bandwidth[kind]
-
-    def memory_seconds(self, nbytes: float, working_set: float) -> float:
-        """Time to stream ``nbytes`` of elementwise traffic on a device whose step touches ``working_set``
-        bytes: at the bandwidth `memory_curve` gives for that working set, or ``memory_bandwidth``."""
-        if not self.memory_curve:
-            return nbytes / self.memory_bandwidth
-        ws, bw = np.asarray(self.memory_curve, float).T
-        return nbytes / float(np.interp(np.log(max(working_set, 1.0)), np.log(ws), bw))
-
-
-def _interpolate(points: Sequence[tuple[float, float]], x: float) -> float:
-    """Piecewise-linear ``seconds(bus bytes)`` through ``points``, the first and last segments extended
-    (never below the smallest measured time: a collective costs at least its latency)."""
-    xs, ts = np.asarray([p[0] for p in points], float), np.asarray([p[1] for p in points], float)
-    i = int(np.clip(np.searchsorted(xs, x) - 1, 0, len(xs) - 2))
-    slope = (ts[i + 1] - ts[i]) / (xs[i + 1] - xs[i])
-    return float(max(ts[i] + slope * (x - xs[i]), ts[0] if x < xs[0] else 0.0, 1e-9))
-
-
-def _uniform(name: str, flops: float, mem_bw: float, link_bw: float, latency: float, mem: int) -> DeviceProfile:
-    return DeviceProfile(name, flops, mem_bw, dict.fromkeys(COLLECTIVES, link_bw), latency, mem)
-
-
-GiB = 2**30
-PROFILES: dict[str, DeviceProfile] = {
-    # bf16 dense peak, HBM bandwidth, NVLink / ICI bandwidth per device, from the vendors' spec sheets.
-    "H100": _uniform("H100", 989e12, 3.35e12, 450e9, 10e-6, 80 * GiB),
-    "H200": _uniform("H200", 989e12, 4.8e12, 450e9, 10e-6, 141 * GiB),
-    "TPU v4": _uniform("TPU v4", 275e12, 1.2e12, 270e9, 10e-6, 32 * GiB),
-    "TPU v5e": _uniform("TPU v5e", 197e12, 0.82e12, 200e9, 10e-6, 16 * GiB),
-    "TPU v5p": _uniform("TPU v5p", 459e12, 2.76e12, 600e9, 10e-6, 95 * GiB),
-}
-"""Spec-sheet profiles by device kind."""
-
-_KIND_ALIASES = {
-    "h100": "H100",
-    "h200": "H200",
-    "tpu v4": "TPU v4",
-    "tpu v5 lite": "TPU v5e",
-    "tpu v5e": "TPU v5e",
-    "tpu v5p": "TPU v5p",
-    "tpu v5": "TPU v5p",
-}
-
+from openhosti_jax.planner.profiles import COLLECTIVES, KIND_ALIASES, PROFILES, DeviceProfile, bus_bytes
 
 MEMORY_SIZES: tuple[int, ...] = (2**19, 2**21, 2**23, 2**25)
 """Working sets per device (512 KiB .. 32 MiB) at which `calibrate` times elementwise streaming."""
@@ -201,17 +57,7 @@ def calibration_sizes(max_bytes: int | None = None) -> tuple[int, ...]:
     return tuple(sizes)
 
 
-def _median_seconds(fn: Callable[[], object], reps: int) -> float:
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t)
-    return float(np.median(times))
-
-
-def _alternated_medians(
+def alternated_medians(
     fns: Sequence[Callable[[], object]], reps: int, sync: Callable[[], object] | None = None
 ) -> list[float]:
     """Median seconds of each of ``fns``, timed in ``reps`` alternating rounds (load drifts hit all alike).
@@ -264,8 +110,6 @@ def _agreed_seconds(seconds: Sequence[float]) -> list[float]:
     """Per entry, the slowest process's time, so that every process builds the same profile (and plan)."""
     if jax.process_count() == 1:
         return list(seconds)
-    from jax.experimental import multihost_utils
-
     gathered = multihost_utils.process_allgather(np.asarray(seconds, np.float64))
     return [float(v) for v in np.max(np.asarray(gathered).reshape(jax.process_count(), -1), axis=0)]
 
@@ -322,7 +166,7 @@ def calibrate(
     for kind, g in timed:
         kernels += [on_all(_chain(kind, chain_length(s)), (_input_bytes(kind, s, g) // 4,), group=g) for s in sizes]
     sync = on_all(lambda a: jax.lax.psum(a, "d"), (1,)) if jax.process_count() > 1 else None
-    raw = _agreed_seconds(_alternated_medians(kernels, reps, sync))
+    raw = _agreed_seconds(alternated_medians(kernels, reps, sync))
     launch = raw[0]
     secs = [max(t - launch, 1e-7) for t in raw[1:]]  # each kernel's own time, as one op of a step
     flops = 2 * m**3 / secs[0]
@@ -370,11 +214,6 @@ def calibrate(
         launch_seconds=launch,
         native_reduce_scatter=native_rs,
     )
-
-
-def bus_bytes(kind: str, nbytes: float, n: int) -> float:
-    """Bytes each device moves in a collective of ``kind`` over ``n`` devices on a full buffer of ``nbytes``."""
-    return (2.0 if kind == "all_reduce" else 1.0) * (n - 1) / n * nbytes
 
 
 def _input_bytes(kind: str, nbytes: int, n: int) -> int:
@@ -462,7 +301,7 @@ def device_profile(
         return PROFILES[override]
     devices = list(devices or jax.devices())
     kind = devices[0].device_kind.lower()
-    for alias, name in _KIND_ALIASES.items():
+    for alias, name in KIND_ALIASES.items():
         if alias in kind:
             return PROFILES[name]
     return _calibrated(tuple(d.id for d in devices), calibration_sizes(max_bytes))

@@ -7,7 +7,7 @@ Each device of the data axis gets a buffer of ``capacity`` microbatches and accu
 sample count) then gives the exact global mean over real samples, whatever the assignment. Microbatch ``k`` of
 the global order gets the key ``fold_in(rng, k)``, so dropout is assignment-independent too.
 
-The loss contract is that of `openhosti_jax.microbatch`: ``loss_fn(params, microbatch, rng) -> (loss_sum,
+The loss contract is `openhosti_jax.state.contracts.LossFn`: ``loss_fn(params, microbatch, rng) -> (loss_sum,
 num_real)``.
 
 Example:
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
@@ -40,9 +40,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from openhosti_jax.balance.buffer import validate_counts
 from openhosti_jax.balance.throttle import Throttle
 from openhosti_jax.errors import BalanceError
-
-LossFn = Callable[[Any, Any, jax.Array], tuple[jax.Array, jax.Array]]
-"""``(params, microbatch, rng) -> (loss_sum, num_real)``."""
+from openhosti_jax.state.contracts import LossFn
 
 
 def _varying(x: Any, axis: str) -> Any:

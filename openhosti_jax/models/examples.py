@@ -1,7 +1,7 @@
 """The plan behind ``openhosti plan --example gpt``: the bundled GPT with Adam, planned and AOT-verified.
 
 Example:
-    >>> from openhosti_jax.planner.demo import EXAMPLES
+    >>> from openhosti_jax.models.examples import EXAMPLES
     >>> sorted(EXAMPLES)
     ['gpt', 'gpt-tiny']
 """
@@ -18,9 +18,9 @@ from flax import nnx
 
 from openhosti_jax.errors import PlanningError
 from openhosti_jax.models.gpt import GPT, GPTConfig, next_token_loss
-from openhosti_jax.planner.auto import plan
-from openhosti_jax.planner.plan import ShardingPlan
-from openhosti_jax.planner.report import format_plan
+from openhosti_jax.planner.choose import choose_plan
+from openhosti_jax.sharding.plan import ShardingPlan
+from openhosti_jax.sharding.report import PlanReport
 
 EXAMPLES: dict[str, tuple[GPTConfig, int]] = {
     "gpt": (GPTConfig(seq_len=64, d_model=128, n_heads=4, n_layers=4), 16),
@@ -54,10 +54,10 @@ def example_inputs(name: str) -> tuple[Any, optax.GradientTransformation, jax.Sh
 
 def plan_example(
     name: str = "gpt", devices: Sequence[jax.Device] | None = None, memory_budget: int | None = None
-) -> tuple[ShardingPlan, str]:
-    """(plan, printable report) for an example model on ``devices`` (default: all)."""
+) -> tuple[ShardingPlan, PlanReport, str]:
+    """(plan, report, a one-line header naming the example) for an example model on ``devices`` (default: all)."""
     init_fn, tx, batch = example_inputs(name)
-    the_plan = plan(init_fn, tx, batch, devices, memory_budget, step_fn=gpt_step)
+    the_plan, report = choose_plan(init_fn, tx, batch, devices, memory_budget, step_fn=gpt_step)
     cfg, n = EXAMPLES[name]
     header = f"example {name}: GPT {cfg.num_params():,} parameters, batch {n} x {cfg.seq_len} tokens, Adam"
-    return the_plan, header + "\n" + format_plan(the_plan)
+    return the_plan, report, header

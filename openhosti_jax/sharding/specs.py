@@ -4,7 +4,7 @@ The automatic rule: a leaf of at least ``min_elements`` elements is sharded over
 divisible by the product of those axes' sizes; smaller leaves, and leaves with no divisible dimension, are replicated.
 
 Example:
-    >>> from openhosti_jax.planner.specs import auto_spec
+    >>> from openhosti_jax.sharding.specs import auto_spec
     >>> auto_spec((512, 2048), {"fsdp": 8}, ("fsdp",))
     P(None, 'fsdp')
 """
@@ -19,9 +19,15 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from openhosti_jax.errors import ShardingError
+from openhosti_jax.sizes import nbytes
 
 DEFAULT_MIN_ELEMENTS = 4096
 """Leaves smaller than this (16 KiB in fp32) are replicated: sharding them costs more latency than it saves."""
+
+
+def is_spec(x: Any) -> bool:
+    """Whether ``x`` is a PartitionSpec (the ``is_leaf`` for trees of specs)."""
+    return isinstance(x, P)
 
 
 def _axes_size(axes: Sequence[str], sizes: Mapping[str, int]) -> int:
@@ -74,12 +80,24 @@ def spec_axes(spec: P) -> tuple[str, ...]:
 
 
 def local_shape(shape: Sequence[int], spec: P, sizes: Mapping[str, int]) -> tuple[int, ...]:
-    """The per-device block shape of a leaf of ``shape`` placed with ``spec``."""
+    """The per-device block shape of a leaf of ``shape`` placed with ``spec`` (the largest block where a dim does not
+    divide evenly)."""
     out = []
     for d, n in enumerate(shape):
         entry = spec[d] if d < len(spec) else None
-        out.append(n // _axes_size(_entry_axes(entry), sizes))
+        out.append(-(-n // _axes_size([a for a in _entry_axes(entry) if a in sizes], sizes)))
     return tuple(out)
+
+
+def local_bytes(leaf: Any, spec: P, sizes: Mapping[str, int]) -> int:
+    """Bytes of one device's block of ``leaf`` (anything with ``shape`` and ``dtype``) placed with ``spec``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> local_bytes(jax.ShapeDtypeStruct((1024, 64), jnp.float32), P("fsdp", None), {"fsdp": 8})
+        32768
+    """
+    return nbytes(local_shape(leaf.shape, spec, sizes), leaf.dtype)
 
 
 def spec_problems(path: str, shape: Sequence[int], spec: P, sizes: Mapping[str, int]) -> list[str]:
@@ -108,7 +126,7 @@ def spec_problems(path: str, shape: Sequence[int], spec: P, sizes: Mapping[str, 
 def validate_specs(abstract: Any, specs: Any, sizes: Mapping[str, int], what: str = "params") -> None:
     """Raise `ShardingError` listing every leaf whose spec does not fit its shape or the mesh."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
-    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+    spec_leaves = jax.tree.leaves(specs, is_leaf=is_spec)
     if len(spec_leaves) != len(leaves):
         raise ShardingError(
             f"{what}: expected one PartitionSpec per leaf ({len(leaves)} leaves), found {len(spec_leaves)}; "

@@ -6,7 +6,7 @@ rule for its name whose mesh axis has size > 1, is not used by another dimension
 the dimension is applied; a name with no applicable rule leaves the dimension unsharded.
 
 Example:
-    >>> from openhosti_jax.planner.rules import DEFAULT_RULES, logical_spec
+    >>> from openhosti_jax.sharding.rules import DEFAULT_RULES, logical_spec
     >>> logical_spec(("embed", "mlp"), (512, 2048), {"tensor": 4, "fsdp": 2}, DEFAULT_RULES)
     P(None, 'tensor')
 """

@@ -1,8 +1,12 @@
 """`ShardingPlan`: every placement decision for one training run, as data that prints as a table.
 
+The plan is the decision only: mesh shape, a PartitionSpec per parameter, gradient and optimizer-state leaf, the
+batch spec, the ZeRO stage, the microbatch count and the pipeline stages. Why it was chosen (predictions, compiled
+bytes, the ranked candidates) is a `openhosti_jax.sharding.report.PlanReport`.
+
 Example:
     >>> import jax, jax.numpy as jnp, optax
-    >>> from openhosti_jax.planner.plan import ShardingPlan
+    >>> from openhosti_jax.sharding.plan import ShardingPlan
     >>> params = {"w": jax.ShapeDtypeStruct((1024, 64), jnp.float32)}
     >>> plan = ShardingPlan.from_zero(params, optax.adam(1e-3), {"stage": 1, "data": 1, "fsdp": 8, "tensor": 1}, 3)
     >>> plan.param_specs["w"]
@@ -12,6 +16,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -24,12 +29,9 @@ from jax.sharding import PartitionSpec as P
 from openhosti_jax.errors import ShardingError
 from openhosti_jax.mesh.build import mesh_sizes
 from openhosti_jax.mesh.config import AXES, BATCH_AXES
-from openhosti_jax.optim.zero import ZERO_AXES, zero_specs
-from openhosti_jax.planner.specs import DEFAULT_MIN_ELEMENTS, spec_axes, validate_specs
-
-
-def _is_spec(x: Any) -> bool:
-    return isinstance(x, P)
+from openhosti_jax.sharding.specs import DEFAULT_MIN_ELEMENTS, is_spec, spec_axes, validate_specs
+from openhosti_jax.sharding.table import format_bytes, leaf_rows, spec_str, unsharded_leaves
+from openhosti_jax.sharding.zero import ZERO_AXES, zero_specs
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -52,20 +54,6 @@ class ShardingPlan:
     """Gradient-accumulation steps per global batch."""
     pipeline_stages: int = 1
     """Pipeline stages (the ``stage`` axis size)."""
-    predicted_bytes: int | None = None
-    """Cost model's per-device memory (state + activations), if a cost model was run."""
-    compiled_bytes: int | None = None
-    """Per-device bytes from the AOT-compiled step's `memory_analysis()`, if it was compiled."""
-    notes: tuple[str, ...] = ()
-    """Why this plan was chosen, one line each."""
-    predicted_seconds: float | None = None
-    """Cost model's step time, if a cost model was run."""
-    predicted_comm_bytes: int | None = None
-    """Cost model's bytes sent per device per step by collectives."""
-    param_shapes: Any = None
-    """Abstract parameter tree the plan was made for (printing shows shapes, the audit lists big leaves)."""
-    candidates: tuple[str, ...] = ()
-    """The search's ranking, one formatted line per candidate (best first)."""
 
     def __post_init__(self) -> None:
         unknown = set(self.mesh_shape) - set(AXES)
@@ -119,18 +107,39 @@ class ShardingPlan:
 
     def shardings(self, mesh: Mesh, specs: Any) -> Any:
         """NamedShardings on ``mesh`` for a pytree of specs."""
-        return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=_is_spec)
-
-    def state_specs(self, state: Any) -> Any:
-        """Specs for a whole `TrainState`: step and rng replicated, params and opt_state as planned."""
-        replicated = jax.tree.map(lambda _: P(), state)
-        return replicated.replace(params=self.param_specs, opt_state=self.opt_specs)
+        return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=is_spec)
 
     def batch_shardings(self, mesh: Mesh, batch: Any) -> Any:
         """Shardings for every leaf of a batch (leading dim split by ``batch_spec``; rank-0 leaves replicated)."""
         return jax.tree.map(lambda x: NamedSharding(mesh, self.batch_spec if x.ndim else P()), batch)
 
-    def __str__(self) -> str:
-        from openhosti_jax.planner.report import format_plan
+    def digest(self) -> str:
+        """A short digest of the placement decisions; processes compare it before the first step."""
+        specs = jax.tree.leaves((self.param_specs, self.grad_specs, self.opt_specs), is_leaf=is_spec)
+        text = repr((dict(self.mesh_shape), self.zero_stage, self.batch_spec, self.num_microbatches, specs))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
-        return format_plan(self)
+    def table(self, params: Any | None = None) -> str:
+        """The plan as a table; with ``params`` (an abstract tree) the leaves show shapes, largest first, and the
+        largest leaves left replicated are listed."""
+        mesh = " x ".join(f"{a}={n}" for a, n in self.mesh_shape.items())
+        specs = jax.tree.leaves(self.param_specs, is_leaf=is_spec)
+        lines = [
+            "ShardingPlan",
+            f"  mesh            {mesh}",
+            f"  ZeRO stage      {self.zero_stage}",
+            f"  batch spec      {spec_str(self.batch_spec)}  (split {self.data_parallel_size} ways)",
+            f"  microbatches    {self.num_microbatches}",
+            f"  pipeline stages {self.pipeline_stages}",
+            f"  sharded leaves  {sum(1 for s in specs if spec_axes(s))}/{len(specs)}",
+            "  parameter specs (largest first):" if params is not None else "  parameter specs:",
+            *leaf_rows(self.param_specs, params),
+        ]
+        audit = unsharded_leaves(self.param_specs, params) if params is not None else []
+        if audit:
+            lines += ["  largest unsharded leaves:"]
+            lines += [f"    {path:<46} {str(shape):<18} {format_bytes(n)}" for path, shape, n in audit]
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()

@@ -16,17 +16,14 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import optax
 from jax.sharding import NamedSharding
 
-from openhosti_jax.microbatch.accumulate import LossFn, accumulate_gradients
+from openhosti_jax.microbatch.accumulate import accumulate_gradients
 from openhosti_jax.state.context import current_microbatches
-
-TrainStep = Callable[[Any, Any], tuple[Any, dict[str, Any]]]
-"""``(state, batch) -> (new_state, metrics)``."""
+from openhosti_jax.state.contracts import LossFn, StepFn
 
 
 def make_train_step(
@@ -37,7 +34,7 @@ def make_train_step(
     accum_sharding: Any = None,
     microbatch_sharding: NamedSharding | None = None,
     mask_key: str = "mask",
-) -> TrainStep:
+) -> StepFn:
     """``train_step(state, batch) -> (state, metrics)`` over ``num_microbatches`` accumulated microbatches.
 
     ``num_microbatches=None`` takes the count chosen by the enclosing ``@spmd(microbatch=...)`` step (1 outside).

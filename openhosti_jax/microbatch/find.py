@@ -27,12 +27,7 @@ import jax
 from openhosti_jax.errors import MemoryBudgetError, PlanningError
 from openhosti_jax.microbatch.budget import agree_across_processes, budget_from_devices
 from openhosti_jax.microbatch.probe import PeakFn, peak_bytes
-
-
-def divisors(n: int) -> tuple[int, ...]:
-    """Positive divisors of ``n``, ascending."""
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return tuple(sorted(set(small + [n // d for d in small])))
+from openhosti_jax.sizes import divisors
 
 
 def compile_bound(per_device_batch: int) -> int:

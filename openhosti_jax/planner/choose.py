@@ -1,18 +1,17 @@
-"""`plan`: choose mesh shape, ZeRO stage and per-leaf specs for a model from abstract shapes, then verify.
+"""`choose_plan`: choose mesh shape, ZeRO stage and per-leaf specs for a model from abstract shapes, then verify.
 
 Example:
     >>> import jax, jax.numpy as jnp, optax
     >>> from flax import nnx
-    >>> from openhosti_jax.planner import plan
-    >>> p = plan(nnx.Linear(512, 512, rngs=nnx.Rngs(0)), optax.adam(1e-3),
-    ...          jax.ShapeDtypeStruct((64, 512), jnp.float32), verify=False, device_profile="H100")
-    >>> sorted(p.mesh_shape) == ["data", "fsdp", "stage", "tensor"], p.zero_stage in (0, 1, 2, 3)
+    >>> from openhosti_jax.planner import choose_plan
+    >>> p, report = choose_plan(nnx.Linear(512, 512, rngs=nnx.Rngs(0)), optax.adam(1e-3),
+    ...                         jax.ShapeDtypeStruct((64, 512), jnp.float32), verify=False, device_profile="H100")
+    >>> sorted(p.mesh_shape) == ["data", "fsdp", "stage", "tensor"], report.plan is p
     (True, True)
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,22 +21,23 @@ import optax
 from openhosti_jax.errors import PlanningError
 from openhosti_jax.mesh.build import build_mesh
 from openhosti_jax.mesh.config import MeshConfig
-from openhosti_jax.planner.plan import ShardingPlan
-from openhosti_jax.planner.profile import DeviceProfile
-from openhosti_jax.planner.profile import device_profile as resolve_profile
+from openhosti_jax.planner.calibrate import device_profile as resolve_profile
+from openhosti_jax.planner.profiles import DeviceProfile
 from openhosti_jax.planner.refine import MEASURED_TIE, measured_order, time_plans
-from openhosti_jax.planner.report import format_bytes
-from openhosti_jax.planner.rules import DEFAULT_RULES, Rules
 from openhosti_jax.planner.search import (
-    candidate_lines,
     enumerate_candidates,
     gradient_bytes,
     rank,
+    report_for,
     search,
     why,
 )
 from openhosti_jax.planner.verify import compiled_step_bytes, default_step
 from openhosti_jax.planner.workload import workload
+from openhosti_jax.sharding.plan import ShardingPlan
+from openhosti_jax.sharding.report import PlanReport
+from openhosti_jax.sharding.rules import DEFAULT_RULES, Rules
+from openhosti_jax.sharding.table import format_bytes
 
 REFINE_TIMING = {"steps": 4, "rounds": 6}
 """Steps per round and alternated rounds `time_plans` runs for each candidate ``refine`` times."""
@@ -45,7 +45,7 @@ VERIFY_TRIES = 3
 """Candidates compiled at most when the compiled bytes of the first exceed the budget."""
 
 
-def plan(
+def choose_plan(
     init_fn_or_model: Any,
     optimizer: optax.GradientTransformation,
     sample_batch: Any,
@@ -59,8 +59,8 @@ def plan(
     rules: Rules = DEFAULT_RULES,
     apply_fn: Callable | None = None,
     refine: int = 0,
-) -> ShardingPlan:
-    """The best `ShardingPlan` for training ``init_fn_or_model`` with ``optimizer`` on ``devices``.
+) -> tuple[ShardingPlan, PlanReport]:
+    """(plan, report): the best `ShardingPlan` for training ``init_fn_or_model`` with ``optimizer`` on ``devices``.
 
     ``init_fn_or_model``: an ``nnx.Module``, a linen module (initialised on ``sample_batch``) or an
     ``init_fn(rng)`` returning either. ``sample_batch``: the global batch (arrays or ShapeDtypeStructs).
@@ -70,7 +70,7 @@ def plan(
     ``device_profile``: a `DeviceProfile` or a `PROFILES` name; default spec sheet or CPU calibration.
     ``refine``: compile and time the ``refine`` best predicted candidates for a few real steps and pick the
     fastest measured unless it beats the predicted winner by less than `refine.MEASURED_TIE`
-    (`refine.time_plans`; needs ``verify``; the timings are listed in ``plan.notes``).
+    (`refine.time_plans`; needs ``verify``; the timings are listed in the report's notes).
     Raises `MemoryBudgetError` when nothing fits, naming the smallest achievable memory.
     """
     if not isinstance(refine, int) or refine < 0:
@@ -85,7 +85,7 @@ def plan(
     notes.append(f"device profile: {profile.name}")
     if work.apply_fn is None:
         notes.append("no apply function: activations and FLOPs unknown, chosen on state memory and traffic")
-    winner = ranked[0].plan
+    winner, compiled = ranked[0], None
     can_compile = verify and (step_fn is not None or work.apply_fn is not None)
     top = []
     if refine and can_compile:
@@ -110,7 +110,7 @@ def plan(
             break
         mesh = build_mesh(MeshConfig.from_sizes(dict(candidate.mesh_shape)), devices)
         compiled = compiled_step_bytes(candidate, work, optimizer, step_fn or default_step, mesh)
-        winner = dataclasses.replace(candidate, compiled_bytes=compiled)
+        winner = scored_plan
         if compiled is None or budget is None or compiled <= budget:
             if tried:
                 notes.insert(
@@ -120,4 +120,4 @@ def plan(
                 )
             break
         notes.append(f"{scored_plan.candidate.label} compiled to {format_bytes(compiled)} > budget; trying next")
-    return dataclasses.replace(winner, notes=tuple(notes), candidates=candidate_lines(ranked))
+    return winner.plan, report_for(winner, ranked, notes, work, compiled)

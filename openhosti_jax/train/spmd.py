@@ -1,8 +1,10 @@
 """``@spmd``: shard a user's ``train_step(state, batch) -> (state, metrics)`` over a mesh by a plan.
 
-The decorator places the batch over the data-parallel axes, jits the step with the plan's in/out shardings and
-buffer donation, and makes the plan's gradient shardings active so `TrainState.apply_gradients` reduce-scatters
-under ZeRO-2/3.
+The decorator places the batch over the data-parallel axes (`openhosti_jax.sharding.place_batch`), jits the step
+with the plan's in/out shardings and buffer donation (`openhosti_jax.state.jit_step`), and makes the plan's gradient
+shardings active so `TrainState.apply_gradients` reduce-scatters under ZeRO-2/3. ``step.plan`` is the decision the
+step runs; ``step.report`` says why it was chosen and what happened since (an automatic microbatch, an
+out-of-memory resize).
 
 Example:
     >>> import jax, jax.numpy as jnp, optax
@@ -27,60 +29,20 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 
 from openhosti_jax.errors import BatchError, StateError
+from openhosti_jax.mesh.barrier import agree
 from openhosti_jax.mesh.build import build_mesh
-from openhosti_jax.planner.plan import ShardingPlan
-from openhosti_jax.state.context import active_gradient_shardings, active_microbatches
-from openhosti_jax.state.create import Strategy, resolve_plan
+from openhosti_jax.microbatch import OOMRetryStep, find_microbatch
+from openhosti_jax.sharding.batch import place_batch
+from openhosti_jax.sharding.plan import ShardingPlan
+from openhosti_jax.sharding.report import PlanReport
+from openhosti_jax.state.contracts import StepFn
+from openhosti_jax.state.jit import jit_step
+from openhosti_jax.state.model import abstract
 from openhosti_jax.state.train_state import TrainState
-from openhosti_jax.train.balanced import BalancedStep
-
-StepFn = Callable[[TrainState, Any], tuple[TrainState, Any]]
-
-
-def shard_batch(batch: Any, mesh: Mesh, plan: ShardingPlan) -> Any:
-    """Place a host batch (this process's rows, or the full batch on one process) as global sharded arrays.
-
-    Every leaf's leading dim must divide evenly over the plan's data-parallel axes.
-    """
-    n = plan.data_parallel_size
-    nproc = jax.process_count()
-    problems = []
-    for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
-        shape = np.shape(x)
-        if not shape:
-            continue
-        global_rows = shape[0] * (nproc if not isinstance(x, jax.Array) or x.is_fully_addressable else 1)
-        if global_rows % n:
-            problems.append(
-                f"batch{jax.tree_util.keystr(path)}: leading dim {global_rows} (global) is not divisible by the "
-                f"{n} data-parallel shards of mesh axes {plan.batch_spec}; use a global batch that is a multiple "
-                f"of {n} (pad and mask the extra rows)"
-            )
-    if problems:
-        raise BatchError("\n".join(problems))
-    shardings = plan.batch_shardings(mesh, batch)
-
-    def place(x: Any, s: NamedSharding) -> jax.Array:
-        if isinstance(x, jax.Array) and x.sharding == s:
-            return x
-        if nproc > 1 and not (isinstance(x, jax.Array) and not x.is_fully_addressable):
-            return jax.make_array_from_process_local_data(s, np.asarray(x))
-        return jax.device_put(x, s)
-
-    return jax.tree.map(place, batch, shardings)
-
-
-def plan_digest(plan: ShardingPlan) -> str:
-    """A short digest of a plan's placement decisions; processes compare it before the first step."""
-    import hashlib
-
-    specs = jax.tree.leaves((plan.param_specs, plan.grad_specs, plan.opt_specs), is_leaf=lambda x: isinstance(x, P))
-    text = repr((dict(plan.mesh_shape), plan.zero_stage, plan.batch_spec, plan.num_microbatches, specs))
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+from openhosti_jax.train.create import Strategy, resolve_plan
 
 
 class SpmdStep:
@@ -101,6 +63,9 @@ class SpmdStep:
         self.mesh = mesh
         self._strategy = plan
         self.plan: ShardingPlan | None = plan if isinstance(plan, ShardingPlan) else None
+        """The decision the step runs (its ``num_microbatches`` is the accumulation count in use)."""
+        self.report: PlanReport | None = None
+        """Why the plan was chosen, and the events since (after the first call)."""
         self.donate = donate
         self._microbatch = microbatch
         self.memory_budget = memory_budget
@@ -124,7 +89,6 @@ class SpmdStep:
             return jax.ShapeDtypeStruct(shape, jax.numpy.result_type(x))
 
         sample = jax.tree.map(global_leaf, batch)
-        abstract = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)
         model_state = abstract(state.model_state) if state.model_state is not None else None
         kw: dict[str, Any] = {"sample_batch": sample, "model_state": model_state}
         if state.apply_fn is not None:
@@ -133,7 +97,7 @@ class SpmdStep:
                     lambda p, b: state.apply_fn(p, b, model_state=model_state), abstract(state.params), sample
                 )
                 kw.update(apply_fn=state.apply_fn, step_fn=self.fn)
-            except Exception:  # noqa: BLE001 - e.g. a dict batch the model does not take: said in the plan's notes
+            except Exception:  # noqa: BLE001 - e.g. a dict batch the model does not take: said in the report
                 pass
         return {**kw, **self._plan_kw}
 
@@ -145,22 +109,18 @@ class SpmdStep:
             )
         if self.mesh is None:
             self.mesh = build_mesh()
-        if self.plan is None:
-            abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state.params)
-            strategy = self._strategy or "fsdp"
+        if self.plan is None or self.report is None:
+            strategy = self.plan or self._strategy or "fsdp"
             kw = self._auto_plan_kw(state, batch) if strategy == "auto" and batch is not None else self._plan_kw
-            self.plan = resolve_plan(strategy, abstract, state.tx, self.mesh, **kw)
+            self.plan, self.report = resolve_plan(strategy, abstract(state.params), state.tx, self.mesh, **kw)
             if strategy == "auto" and "apply_fn" not in kw:
-                note = (
+                self.report.record(
                     "activations unknown and winner not compiled: state.apply_fn(params, batch) does not take the "
                     "batch as given; pass spmd(..., apply_fn=f) with f(params, batch, model_state=None)"
                 )
-                self.plan = dataclasses.replace(self.plan, notes=(*self.plan.notes, note))
         self.plan.check_mesh(self.mesh)
         if jax.process_count() > 1 and not self._agreed:
-            from openhosti_jax.mesh.barrier import agree
-
-            agree("spmd-plan", plan_digest(self.plan))
+            agree("spmd-plan", self.plan.digest())
             self._agreed = True
         return self.plan
 
@@ -174,28 +134,14 @@ class SpmdStep:
         k = k or plan.num_microbatches
         key = (jax.tree.structure(state), jax.tree.structure(batch), k)
         if key not in self._jitted:
-            state_sh = plan.shardings(self.mesh, plan.state_specs(state))
-            grad_sh = plan.shardings(self.mesh, plan.grad_specs)
-            batch_sh = plan.batch_shardings(self.mesh, batch)
-
-            def wrapped(s: TrainState, b: Any) -> tuple[TrainState, Any]:
-                with active_gradient_shardings(grad_sh), active_microbatches(k):
-                    return self.fn(s, b)
-
-            fn = jax.jit(
-                wrapped,
-                in_shardings=(state_sh, batch_sh),
-                out_shardings=(state_sh, NamedSharding(self.mesh, P())),
-                donate_argnums=(0,) if self.donate else (),
-            )
-            self._jitted[key] = (fn, state_sh)
+            self._jitted[key] = jit_step(self.fn, plan, self.mesh, state, batch, donate=self.donate, num_microbatches=k)
         return self._jitted[key]
 
     def place(self, state: TrainState, batch: Any) -> tuple[TrainState, Any]:
         """(state moved to the plan's shardings if it is not there yet, batch sharded over the data axes)."""
         _, state_sh = self._compiled_fn(state, batch)
         state = jax.tree.map(lambda x, s: x if x.sharding == s else jax.device_put(x, s), state, state_sh)
-        return state, shard_batch(batch, self.mesh, self.plan)
+        return state, place_batch(batch, self.mesh, self.plan.batch_spec)
 
     def lower(self, state: TrainState, batch: Any, num_microbatches: int | None = None) -> jax.stages.Lowered:
         """The lowered step for these (possibly abstract) arguments: ``.compile().memory_analysis()`` etc."""
@@ -210,16 +156,18 @@ class SpmdStep:
         global_rows = rows[0] * (jax.process_count() if not isinstance(jax.tree.leaves(batch)[0], jax.Array) else 1)
         return global_rows // self.plan.data_parallel_size
 
-    def _choose_microbatches(self, state: TrainState, batch: Any) -> None:
-        from openhosti_jax.microbatch import OOMRetryStep, find_microbatch
+    def _set_microbatches(self, per_device: int, size: int) -> None:
+        self.plan = dataclasses.replace(self.plan, num_microbatches=per_device // size)
 
+    def _choose_microbatches(self, state: TrainState, batch: Any) -> None:
         per_device = self._per_device_batch(batch)
         if self._microbatch == "auto":
             choice = find_microbatch(
                 lambda size: self.lower(state, batch, per_device // size).compile(), per_device, self.memory_budget
             )
             self.microbatch_choice = choice
-            size, note = choice.size, f"microbatch auto: {choice}"
+            self.report.record(f"microbatch auto: {choice}")
+            size = choice.size
         else:
             k = self._microbatch or self.plan.num_microbatches
             if per_device % k:
@@ -227,18 +175,14 @@ class SpmdStep:
                     f"microbatch={k} accumulation steps do not divide the per-device batch {per_device}; "
                     f"choose a divisor of {per_device}"
                 )
-            size, note = per_device // k, None
+            size = per_device // k
 
         def resized(old: int, new: int) -> None:
-            self.plan = dataclasses.replace(
-                self.plan,
-                num_microbatches=per_device // new,
-                notes=(*self.plan.notes, f"RESOURCE_EXHAUSTED at microbatch {old}: now {new}"),
-            )
+            self._set_microbatches(per_device, new)
+            self.report.record(f"RESOURCE_EXHAUSTED at microbatch {old}: now {new}")
 
         self._retry = OOMRetryStep(self._run_with, per_device, size, on_resize=resized)
-        notes = self.plan.notes + ((note,) if note else ())
-        self.plan = dataclasses.replace(self.plan, num_microbatches=per_device // size, notes=notes)
+        self._set_microbatches(per_device, size)
 
     def _run_with(self, size: int) -> Callable[[TrainState, Any], tuple[TrainState, Any]]:
         def run(state: TrainState, batch: Any) -> tuple[TrainState, Any]:
@@ -264,9 +208,8 @@ def spmd(
     microbatch: int | str | None = None,
     memory_budget: int | None = None,
     balance: bool = False,
-    microbatches: int | None = None,
     **plan_kw: Any,
-) -> SpmdStep | BalancedStep | Callable[[StepFn], SpmdStep | BalancedStep]:
+) -> SpmdStep | Callable[[StepFn], SpmdStep]:
     """Decorate ``train_step(state, batch) -> (state, metrics)`` to run sharded over ``mesh`` by ``plan``.
 
     ``plan`` is a `ShardingPlan`, a strategy (``"fsdp"`` default, ``"dp"``, ``"zero1"``, ``"zero2"``,
@@ -274,18 +217,16 @@ def spmd(
     ``microbatch`` is the number of gradient-accumulation steps, or ``"auto"``: the largest per-device microbatch
     whose compiled peak fits ``memory_budget`` (default: the device's limit), found by AOT compiles. Steps built with
     `openhosti_jax.microbatch.make_train_step` accumulate over it; an out-of-memory step halves the microbatch and
-    re-runs the same batch.
-
-    With ``balance=True`` the decorated function is a ``loss_fn(params, microbatch, rng) -> (loss_sum, num_real)``
-    and every global batch is cut into ``microbatches`` pieces (default 4 per data-parallel device) that a
-    `openhosti_jax.balance.Balancer` spreads over the devices by measured speed (`BalancedStep`).
+    re-runs the same batch. Load balancing takes a loss rather than a step: `openhosti_jax.balanced_step`.
     """
+    if balance:
+        raise StateError(
+            "spmd(balance=True): a balanced step spreads microbatches of a loss over the devices, so it takes a "
+            "loss_fn(params, microbatch, rng) -> (loss_sum, num_real), not a train step; use "
+            "openhosti_jax.balanced_step(loss_fn, mesh=mesh, plan=plan, microbatches=...)"
+        )
 
-    def build(f: StepFn) -> SpmdStep | BalancedStep:
-        if not balance:
-            return SpmdStep(f, mesh, plan, donate, microbatch, memory_budget, plan_kw)
-        if not isinstance(plan, ShardingPlan) or mesh is None:
-            raise StateError("balance=True needs mesh= and a ShardingPlan (from create_train_state)")
-        return BalancedStep(f, mesh, plan, microbatches=microbatches or 4 * plan.mesh_shape["data"], **plan_kw)
+    def build(f: StepFn) -> SpmdStep:
+        return SpmdStep(f, mesh, plan, donate, microbatch, memory_budget, plan_kw)
 
     return build if fn is None else build(fn)

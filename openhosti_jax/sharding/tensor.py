@@ -7,7 +7,7 @@ all-reduce forward (and one backward). Layers are recognised by their pytree pat
 rules apply to them too. Annotated leaves (Flax metadata) keep their own names.
 
 Example:
-    >>> from openhosti_jax.planner.tensor import tensor_names
+    >>> from openhosti_jax.sharding.tensor import tensor_names
     >>> tensor_names("['blocks'][0]['fc']['kernel']", (64, 256))
     ('embed', 'mlp')
     >>> tensor_names("['blocks'][0]['out']['kernel']", (256, 64))
@@ -23,7 +23,7 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec as P
 
-from openhosti_jax.planner.rules import DEFAULT_RULES, Rules, logical_names, logical_spec, validate_rules
+from openhosti_jax.sharding.rules import DEFAULT_RULES, Rules, logical_names, logical_spec, validate_rules
 
 COLUMN = (
     "qkv",

@@ -1,0 +1,73 @@
+"""The one FLOP counter: FLOPs of a jaxpr, read from its equations, nothing compiled.
+
+A ``dot_general`` costs ``2 x output size x contracted size``, a convolution ``2 x output size x kernel window x
+input features``; with ``matmul_only=False`` every other primitive costs one FLOP per output element. A ``scan``
+body counts once per trip; of a ``cond`` / ``switch`` only the most expensive branch counts (one branch runs); a
+``while`` body counts once (its trip count is not known from shapes); other sub-jaxprs (``jit``, ``remat``,
+``custom_vjp``) count as they are.
+
+Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from openhosti_jax.flops import jaxpr_flops
+    >>> jaxpr_flops(lambda a, b: a @ b, jnp.ones((2, 8)), jnp.ones((8, 4)))
+    128.0
+    >>> pick = lambda p, a: jax.lax.cond(p, lambda x: x @ x, lambda x: x, a)
+    >>> jaxpr_flops(pick, True, jnp.ones((4, 4)), matmul_only=True)  # the matmul branch, not both
+    128.0
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+
+def dot_flops(eqn: Any) -> float:
+    """FLOPs of one ``dot_general`` equation (2 x contracted size x output size)."""
+    (lc, _), _ = eqn.params["dimension_numbers"]
+    k = math.prod(eqn.invars[0].aval.shape[d] for d in lc)
+    return 2.0 * k * math.prod(eqn.outvars[0].aval.shape)
+
+
+def _conv_flops(eqn: Any) -> float:
+    rhs = eqn.invars[1].aval.shape
+    out_features = rhs[eqn.params["dimension_numbers"].rhs_spec[0]]
+    return 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(rhs) / max(out_features, 1)
+
+
+def _sub_jaxprs(eqn: Any) -> list[Any]:
+    subs = []
+    for v in eqn.params.values():
+        for item in v if isinstance(v, tuple | list) else (v,):
+            inner = getattr(item, "jaxpr", item)
+            if hasattr(inner, "eqns"):
+                subs.append(inner)
+    return subs
+
+
+def count_flops(jaxpr: Any, *, matmul_only: bool = False) -> float:
+    """FLOPs of ``jaxpr`` (a ``Jaxpr`` or ``ClosedJaxpr``); ``matmul_only`` counts matmuls and convolutions."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    total = 0.0
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        subs = _sub_jaxprs(eqn)
+        if subs:
+            inner = [count_flops(j, matmul_only=matmul_only) for j in subs]
+            trips = float(eqn.params.get("length", 1)) if name == "scan" else 1.0
+            total += trips * (max(inner) if name in ("cond", "switch") else sum(inner))
+        elif name == "dot_general":
+            total += dot_flops(eqn)
+        elif name == "conv_general_dilated":
+            total += _conv_flops(eqn)
+        elif not matmul_only:
+            total += sum(float(math.prod(v.aval.shape)) for v in eqn.outvars if hasattr(v.aval, "shape"))
+    return total
+
+
+def jaxpr_flops(fn: Callable[..., Any], *args: Any, matmul_only: bool = False) -> float:
+    """FLOPs of ``fn(*args)`` counted from its jaxpr (`count_flops`)."""
+    return count_flops(jax.make_jaxpr(fn)(*args), matmul_only=matmul_only)

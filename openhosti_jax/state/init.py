@@ -1,0 +1,65 @@
+"""Build a `TrainState` straight into its shards, and the specs of a state under a plan.
+
+The init runs under `jax.jit` with ``out_shardings`` from the plan, so every device computes only its own shard and
+the parameters are never materialised on one device.
+
+Example:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> from openhosti_jax import build_mesh, MeshConfig
+    >>> from openhosti_jax.sharding import ShardingPlan
+    >>> from openhosti_jax.state.init import init_state
+    >>> from openhosti_jax.state.model import model_parts
+    >>> mesh = build_mesh(MeshConfig(data=1, fsdp=-1))
+    >>> parts = model_parts(lambda r: {"w": jnp.zeros((64, 8))})
+    >>> plan = ShardingPlan.from_zero(parts.params, optax.sgd(0.1), {"fsdp": 8}, 3, min_elements=1)
+    >>> state = init_state(parts, optax.sgd(0.1), mesh, plan)
+    >>> state.params["w"].sharding.spec
+    P('fsdp', None)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import optax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from openhosti_jax.sharding.plan import ShardingPlan
+from openhosti_jax.state.model import ModelParts
+from openhosti_jax.state.train_state import TrainState
+
+
+def state_specs(plan: ShardingPlan, state: TrainState) -> Any:
+    """Specs for a whole `TrainState`: params and opt_state as planned, every other leaf replicated."""
+    replicated = jax.tree.map(lambda _: P(), state)
+    return replicated.replace(params=plan.param_specs, opt_state=plan.opt_specs)
+
+
+def abstract_train_state(state: Any) -> Any:
+    """The state as `jax.ShapeDtypeStruct` leaves carrying their shardings (a restore or compile target)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+
+
+def init_state(
+    parts: ModelParts,
+    tx: optax.GradientTransformation,
+    mesh: Mesh,
+    plan: ShardingPlan,
+    key: jax.Array | None = None,
+) -> TrainState:
+    """The `TrainState` of ``parts`` and ``tx`` computed in ``plan``'s shardings on ``mesh``.
+
+    ``key`` (default ``jax.random.key(0)``) is split into the init key and the state's ``rng``.
+    """
+    init_key, state_key = jax.random.split(jax.random.key(0) if key is None else key)
+
+    def build(k_init: jax.Array, k_state: jax.Array) -> TrainState:
+        params, rest = parts.init(k_init)
+        return TrainState.create(apply_fn=parts.apply_fn, params=params, tx=tx, rng=k_state, model_state=rest)
+
+    with jax.set_mesh(mesh):
+        shapes = jax.eval_shape(build, init_key, state_key)
+        shardings = plan.shardings(mesh, state_specs(plan, shapes))
+        return jax.jit(build, out_shardings=shardings)(init_key, state_key)

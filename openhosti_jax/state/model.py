@@ -1,0 +1,105 @@
+"""One model intake: an ``nnx.Module``, a linen module or an ``init_fn(rng)`` as an init function, abstract
+parameters and model state, and an apply function.
+
+An nnx module is split into its graph (kept in the apply function), its `nnx.Param` leaves (the parameters) and
+the rest (the model state: batch statistics, RNG counts). A linen module is initialised on a sample batch.
+
+Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from openhosti_jax.state.model import model_parts
+    >>> parts = model_parts(lambda r: nnx.Linear(4, 2, rngs=nnx.Rngs(r)))
+    >>> [x.shape for x in jax.tree.leaves(parts.params)]
+    [(2,), (4, 2)]
+    >>> parts.apply_fn(parts.init(jax.random.key(0))[0], jnp.ones((3, 4)), model_state=None).shape
+    (3, 2)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from flax import linen, nnx
+from jax.sharding import Mesh
+
+from openhosti_jax.errors import StateError
+from openhosti_jax.state.contracts import ApplyFn
+
+
+def abstract(tree: Any) -> Any:
+    """Every leaf of ``tree`` as a `jax.ShapeDtypeStruct` (shape and dtype only)."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jax.numpy.result_type(a)), tree)
+
+
+def nnx_apply_fn(graphdef: Any) -> ApplyFn:
+    """``apply_fn(params, *args, model_state=None, **kw)`` calling the nnx module merged from ``graphdef``."""
+
+    def apply(params: Any, *args: Any, model_state: Any = None, **kwargs: Any) -> Any:
+        module = nnx.merge(graphdef, params, model_state) if model_state is not None else nnx.merge(graphdef, params)
+        return module(*args, **kwargs)
+
+    return apply
+
+
+def _split(module: nnx.Module) -> tuple[Any, Any, Any]:
+    return nnx.split(module, nnx.Param, ...)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ModelParts:
+    """A model as the library uses it."""
+
+    init: Callable[[jax.Array], tuple[Any, Any]]
+    """``init(rng) -> (params, model_state)``; traceable, so it can run under ``jax.jit`` into shards."""
+    params: Any
+    """Abstract parameter tree."""
+    model_state: Any
+    """Abstract non-parameter model variables (nnx), or None."""
+    apply_fn: ApplyFn | None
+    """The forward pass, when the model defines one (an ``init_fn`` returning a plain tree does not)."""
+
+
+def _eval_shape(fn: Callable[[jax.Array], Any], key: jax.Array, mesh: Mesh | None) -> Any:
+    try:
+        if mesh is not None:
+            with jax.set_mesh(mesh):  # nnx sharding annotations need a mesh even when only shapes are traced
+                return jax.eval_shape(fn, key)
+        try:
+            return jax.eval_shape(fn, key)
+        except ValueError:  # sharding-annotated nnx variables want a mesh: read the annotations without one
+            with nnx.use_eager_sharding(False):
+                return jax.eval_shape(fn, key)
+    except Exception as e:  # noqa: BLE001 - the user's init failed on abstract inputs: say so
+        raise StateError(f"init_fn(rng) failed under jax.eval_shape: {e}") from e
+
+
+def model_parts(
+    model: Any, sample_batch: Any | None = None, *, apply_fn: ApplyFn | None = None, mesh: Mesh | None = None
+) -> ModelParts:
+    """The `ModelParts` of an ``nnx.Module``, a linen module (initialised on ``sample_batch``) or an
+    ``init_fn(rng)`` returning an ``nnx.Module`` or a parameter tree. ``apply_fn`` overrides the found one."""
+    key = jax.random.key(0)
+    if isinstance(model, linen.Module):
+        if sample_batch is None:
+            raise StateError("a linen module needs a sample batch to initialise; pass sample_batch or an init_fn")
+        init = lambda r: (model.init(r, sample_batch)["params"], None)
+        found = lambda p, *a, model_state=None, **kw: model.apply({"params": p}, *a, **kw)
+        params = _eval_shape(lambda r: init(r)[0], key, mesh)
+        return ModelParts(init, params, None, apply_fn or found)
+    if isinstance(model, nnx.Module):
+        graphdef, params, rest = _split(model)
+        apply = apply_fn or nnx_apply_fn(graphdef)
+        return ModelParts(lambda _: (params, rest), abstract(params), abstract(rest), apply)
+    if not callable(model):
+        raise StateError(f"expected an nnx.Module, a linen Module or an init_fn(rng), found {type(model).__name__}")
+    out = _eval_shape(model, key, mesh)
+    if isinstance(out, nnx.Module):
+        graphdef, params, rest = _split(out)
+        return ModelParts(lambda r: _split(model(r))[1:], params, rest, apply_fn or nnx_apply_fn(graphdef))
+    if not jax.tree.leaves(out):
+        raise StateError("init_fn(rng) returned no array leaves; expected a params pytree or an nnx.Module")
+    return ModelParts(lambda r: (model(r), None), out, None, apply_fn)

@@ -1,0 +1,83 @@
+"""`create_train_state`: a sharded `TrainState` from a model and an optimizer, by a named strategy, a ZeRO stage,
+a `ShardingPlan` or ``"auto"`` (the planner chooses on the given mesh).
+
+Linen: ``init_fn(rng) -> params`` (with ``apply_fn=model.apply``-style). nnx: ``init_fn(rng) -> nnx.Module``; the
+module is split into its graph (kept in ``apply_fn``), its `nnx.Param` leaves (``params``) and the rest
+(``model_state``). The parameters are initialised straight into their shards.
+
+Example:
+    >>> import jax, jax.numpy as jnp, optax, flax.linen as nn
+    >>> from openhosti_jax import build_mesh, MeshConfig, create_train_state
+    >>> model = nn.Dense(64)
+    >>> mesh = build_mesh(MeshConfig(data=-1))
+    >>> state, plan = create_train_state(lambda r: model.init(r, jnp.ones((1, 64)))["params"],
+    ...                                  optax.adam(1e-3), mesh, apply_fn=model.apply)
+    >>> int(state.step), plan.zero_stage
+    (0, 3)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import optax
+from jax.sharding import Mesh
+
+from openhosti_jax.errors import StateError
+from openhosti_jax.mesh.build import mesh_sizes
+from openhosti_jax.planner.search import plan_on_mesh
+from openhosti_jax.sharding.plan import ShardingPlan
+from openhosti_jax.sharding.report import PlanReport
+from openhosti_jax.state.contracts import ApplyFn
+from openhosti_jax.state.init import init_state
+from openhosti_jax.state.model import model_parts
+from openhosti_jax.state.train_state import TrainState
+
+Strategy = str | int | ShardingPlan
+"""``"fsdp"`` (ZeRO-3), ``"dp"`` (ZeRO-0), ``"zero1"``/``"zero2"``, an int ZeRO stage, ``"auto"``, or a plan."""
+
+_NAMED = {"dp": 0, "ddp": 0, "zero0": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3}
+
+
+def resolve_plan(
+    strategy: Strategy, abstract_params: Any, tx: optax.GradientTransformation, mesh: Mesh, **plan_kw: Any
+) -> tuple[ShardingPlan, PlanReport]:
+    """(plan, report) for a strategy name, a ZeRO stage or a plan on ``mesh``; ``"auto"`` runs the planner
+    (`openhosti_jax.planner.plan_on_mesh`, which takes ``plan_kw``)."""
+    if isinstance(strategy, ShardingPlan):
+        strategy.check_mesh(mesh)
+        return strategy, PlanReport(strategy, abstract_params)
+    if strategy == "auto":
+        return plan_on_mesh(abstract_params, tx, mesh, **plan_kw)
+    stage = _NAMED.get(strategy, strategy) if isinstance(strategy, str) else strategy
+    if stage not in (0, 1, 2, 3):
+        raise StateError(
+            f"unknown sharding strategy {strategy!r}; expected 'dp', 'zero1', 'zero2', 'fsdp', 'auto', "
+            "0-3 or a ShardingPlan"
+        )
+    plan = ShardingPlan.from_zero(abstract_params, tx, mesh_sizes(mesh), stage, **plan_kw)
+    return plan, PlanReport(plan, abstract_params, notes=(f"strategy {strategy!r}: ZeRO stage {stage}",))
+
+
+def create_train_state(
+    init_fn: Callable[[jax.Array], Any],
+    tx: optax.GradientTransformation,
+    mesh: Mesh,
+    *,
+    plan: Strategy = "fsdp",
+    apply_fn: ApplyFn | None = None,
+    seed: int | jax.Array = 0,
+    **plan_kw: Any,
+) -> tuple[TrainState, ShardingPlan]:
+    """Initialise parameters and optimizer state directly into their shards; return (state, plan).
+
+    ``seed`` seeds both the init key and the state's ``rng`` (used for dropout etc.). With ``plan="auto"`` the
+    planner's reasons are not returned: call `openhosti_jax.planner.plan_on_mesh` for the (plan, report).
+    """
+    parts = model_parts(init_fn, apply_fn=apply_fn, mesh=mesh)
+    the_plan, _ = resolve_plan(plan, parts.params, tx, mesh, **plan_kw)
+    the_plan.validate(parts.params)
+    key = jax.random.key(seed) if isinstance(seed, int) else seed
+    return init_state(parts, tx, mesh, the_plan, key), the_plan

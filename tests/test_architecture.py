@@ -1,0 +1,39 @@
+"""The architecture holds: one dependency order (import-linter's layers contract in pyproject.toml), and every
+docstring example in the package runs and prints what it says."""
+
+import doctest
+import importlib
+import os
+import pkgutil
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import openhosti_jax
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODULES = sorted(
+    m.name for m in pkgutil.walk_packages(openhosti_jax.__path__, "openhosti_jax.") if not m.name.endswith("__main__")
+)
+
+
+@pytest.mark.timeout(300)
+def test_layers_contract_is_kept():
+    exe = shutil.which("lint-imports") or os.path.join(os.path.dirname(sys.executable), "lint-imports")
+    run = subprocess.run([exe, "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert "1 kept, 0 broken" in run.stdout
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples_run(name):
+    module = importlib.import_module(name)
+    tests = doctest.DocTestFinder(exclude_empty=True).find(module, name)
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    for test in tests:
+        runner.run(test)
+    result = runner.summarize(verbose=False)
+    assert result.failed == 0, f"{result.failed} of {result.attempted} examples failed in {name} (output above)"
