@@ -1,6 +1,6 @@
 """Model FLOPs utilisation of the GPT demo scaled to ~1B parameters (bf16) on whatever accelerator is present.
 
-"ours": the planner's plan (``plan="auto"`` when openhosti_jax.planner.search exists, else FSDP), the
+"ours": the planner's plan (``plan="auto"``), the
 microbatch chosen by `find_microbatch` (AOT compiles against the device memory budget), the `@spmd` step.
 "plain_jit": the same model and batch as one ``jax.jit`` data-parallel step (replicated params and Adam state,
 batch split over every device, no accumulation). Both are timed in the same process, alternated, medians.
@@ -16,7 +16,6 @@ Last stdout line: one JSON object with mfu, plain_jit_mfu, tokens_per_s, peak_me
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
@@ -63,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     n_dev = len(devices)
     tokens_np = make_corpus(batch_size, cfg.seq_len)
     tx = optax.adamw(1e-4)
-    strategy = "auto" if importlib.util.find_spec("openhosti_jax.planner.search") else "fsdp"
+    strategy = "auto"
 
     # ours: planner's plan + microbatch search by AOT compiles
     mesh = build_mesh(MeshConfig(data=1, fsdp=-1), devices)

@@ -12,18 +12,12 @@ Example:
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 PAD, CLS, MARKER = 0, 1, 2
-
-
-def default_plan() -> str:
-    """``"auto"`` when the planner's search is installed, else ``"fsdp"``."""
-    return "auto" if importlib.util.find_spec("openhosti_jax.planner.search") else "fsdp"
 
 
 def make_data(n: int, seq_len: int, vocab: int, seed: int = 0) -> dict[str, Any]:
@@ -92,11 +86,11 @@ def train(
     heads: int = 4,
     layers: int = 2,
     devices: Sequence[Any] | None = None,
-    plan: str | None = None,
+    plan: str = "auto",
     seed: int = 0,
     progress: bool = True,
 ) -> list[float]:
-    """Train on ``devices`` (default all) with ``plan`` (default `default_plan`); return the per-step losses."""
+    """Train on ``devices`` (default all) with ``plan`` (default ``"auto"``); return the per-step losses."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -110,7 +104,7 @@ def train(
         lambda r: build_model(vocab, seq_len, d_model, heads, layers, r),
         optax.adamw(3e-3, weight_decay=0.01),
         mesh,
-        plan=plan or default_plan(),
+        plan=plan,
         seed=seed,
     )
 
@@ -131,12 +125,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=150, help="optimizer steps (default 150)")
     parser.add_argument("--batch", type=int, default=32, help="global batch (default 32)")
     parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices (default 8)")
-    parser.add_argument("--plan", default=None, help="sharding plan (default auto if available, else fsdp)")
+    parser.add_argument("--plan", default="auto", help="sharding plan: auto (default), fsdp, dp, zero1, zero2")
     args = parser.parse_args(argv)
     os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={args.devices}")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     losses = train(steps=args.steps, batch=args.batch, plan=args.plan)
-    print(f"plan {args.plan or default_plan()}: loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps")
+    print(f"plan {args.plan}: loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps")
     return 0
 
 

@@ -13,18 +13,12 @@ Example:
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 SIZE, T = 8, 100
-
-
-def default_plan() -> str:
-    """``"auto"`` when the planner's search is installed, else ``"fsdp"``."""
-    return "auto" if importlib.util.find_spec("openhosti_jax.planner.search") else "fsdp"
 
 
 def alpha_bar() -> Any:
@@ -85,11 +79,11 @@ def train(
     batch: int = 32,
     channels: int = 16,
     devices: Sequence[Any] | None = None,
-    plan: str | None = None,
+    plan: str = "auto",
     seed: int = 0,
     progress: bool = True,
 ) -> list[float]:
-    """Train on ``devices`` (default all) with ``plan`` (default `default_plan`); return the per-step losses."""
+    """Train on ``devices`` (default all) with ``plan`` (default ``"auto"``); return the per-step losses."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -100,7 +94,7 @@ def train(
 
     mesh = build_mesh(MeshConfig(data=1, fsdp=-1), devices or jax.devices())
     state, the_plan = create_train_state(
-        lambda r: build_model(channels, r), optax.adam(2e-3), mesh, plan=plan or default_plan(), seed=seed
+        lambda r: build_model(channels, r), optax.adam(2e-3), mesh, plan=plan, seed=seed
     )
     abar = jnp.asarray(alpha_bar())
 
@@ -123,12 +117,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=150, help="optimizer steps (default 150)")
     parser.add_argument("--batch", type=int, default=32, help="global batch (default 32)")
     parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices (default 8)")
-    parser.add_argument("--plan", default=None, help="sharding plan (default auto if available, else fsdp)")
+    parser.add_argument("--plan", default="auto", help="sharding plan: auto (default), fsdp, dp, zero1, zero2")
     args = parser.parse_args(argv)
     os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={args.devices}")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     losses = train(steps=args.steps, batch=args.batch, plan=args.plan)
-    print(f"plan {args.plan or default_plan()}: loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps")
+    print(f"plan {args.plan}: loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps")
     return 0
 
 

@@ -11,16 +11,10 @@ Example:
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import sys
 from collections.abc import Sequence
 from typing import Any
-
-
-def default_plan() -> str:
-    """``"auto"`` when the planner's search is installed, else ``"fsdp"``."""
-    return "auto" if importlib.util.find_spec("openhosti_jax.planner.search") else "fsdp"
 
 
 def make_spirals(n: int, classes: int = 3, seed: int = 0) -> dict[str, Any]:
@@ -41,11 +35,11 @@ def train(
     width: int = 64,
     depth: int = 3,
     devices: Sequence[Any] | None = None,
-    plan: str | None = None,
+    plan: str = "auto",
     seed: int = 0,
     progress: bool = True,
 ) -> list[float]:
-    """Train on ``devices`` (default all) with ``plan`` (default `default_plan`); return the per-step losses."""
+    """Train on ``devices`` (default all) with ``plan`` (default ``"auto"``); return the per-step losses."""
     import flax.linen as nn
     import jax
     import jax.numpy as jnp
@@ -72,7 +66,7 @@ def train(
         lambda r: model.init(r, jnp.zeros((1, 2)))["params"],
         optax.adam(1e-2),
         mesh,
-        plan=plan or default_plan(),
+        plan=plan,
         apply_fn=model.apply,
         seed=seed,
     )
@@ -94,12 +88,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=200, help="optimizer steps (default 200)")
     parser.add_argument("--batch", type=int, default=64, help="global batch (default 64)")
     parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices (default 8)")
-    parser.add_argument("--plan", default=None, help="sharding plan (default auto if available, else fsdp)")
+    parser.add_argument("--plan", default="auto", help="sharding plan: auto (default), fsdp, dp, zero1, zero2")
     args = parser.parse_args(argv)
     os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={args.devices}")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     losses = train(steps=args.steps, batch=args.batch, plan=args.plan)
-    print(f"plan {args.plan or default_plan()}: loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps")
+    print(f"plan {args.plan}: loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps")
     return 0
 
 

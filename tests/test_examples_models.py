@@ -29,7 +29,6 @@ def load(name: str):
 @pytest.mark.parametrize("name", sorted(TINY))
 def test_example_loss_falls_and_matches_one_device(name):
     ex = load(name)
-    assert ex.default_plan() == ("auto" if importlib.util.find_spec("openhosti_jax.planner.search") else "fsdp")
     sharded = np.array(ex.train(steps=12, progress=False, **TINY[name]))
     single = np.array(ex.train(steps=12, progress=False, devices=jax.devices()[:1], **TINY[name]))
     assert np.all(np.isfinite(sharded))

@@ -63,11 +63,6 @@ class MeshConfig:
         if problems:
             raise MeshConfigError("invalid MeshConfig: " + "; ".join(problems))
 
-    @property
-    def is_auto(self) -> bool:
-        """True when at least one axis is left to the planner."""
-        return any(getattr(self, n) == "auto" for n in AXES)
-
     def resolve(self, device_count: int) -> dict[str, int]:
         """Concrete axis sizes for ``device_count`` devices, inferring the (single) ``-1`` / ``"auto"`` axis.
 

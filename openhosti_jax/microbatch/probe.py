@@ -16,13 +16,13 @@ Example:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
 import jax
 from jax.sharding import Sharding
 
+from openhosti_jax.sizes import nbytes
 from openhosti_jax.state.jit import footprint_bytes, memory_stats
 
 PeakFn = Callable[[jax.stages.Compiled], int | None]
@@ -44,7 +44,7 @@ def compiled_peak_bytes(compiled: jax.stages.Compiled) -> int | None:
 
 def _shard_bytes(shape: tuple[int, ...], dtype: Any, sharding: Any) -> int:
     local = sharding.shard_shape(tuple(shape)) if isinstance(sharding, Sharding) else tuple(shape)
-    return math.prod(local) * dtype.itemsize  # also right for PRNG-key dtypes
+    return nbytes(local, dtype)
 
 
 def analytic_peak_bytes(compiled: jax.stages.Compiled) -> int | None:

@@ -43,8 +43,8 @@ def calibration_sizes(max_bytes: int | None = None) -> tuple[int, ...]:
     """`CALIBRATION_SIZES`, then sqrt(2) steps until one reaches ``max_bytes`` (at most
     `MAX_CALIBRATION_BYTES`): the sizes at which to time collectives so that a model whose largest collective
     moves ``max_bytes`` per device is priced by interpolation, not extrapolation. The steps are fine because
-    a curve can bend anywhere: cross-process all-reduces on this CPU run at ~1 GB/s to 24 MiB and at half that
-    by 32 MiB, and a line from 8 to 32 MiB over-priced 24 MiB by up to 1.6x.
+    a curve can bend anywhere (a cache or a transport protocol switching), and a straight line over a 4x step
+    misprices the sizes between.
 
     Example:
         >>> [round(s / 2**20, 1) for s in calibration_sizes(20 * 2**20)[5:]]
@@ -228,9 +228,9 @@ CHAIN_BYTES = 2**19
 def chain_length(nbytes: int) -> int:
     """Collectives a calibration chains at ``nbytes`` per device: CHAIN_BYTES // nbytes, 1 .. 16.
 
-    A program's lone collective also waits for the devices' start skew, which a step's later collectives do not:
-    on 8 simulated CPU devices a lone 16 KiB all-reduce over pairs costs ~70-300 us beyond the launch, each of
-    a chain of 16 ~50 us. Chaining small sizes prices the op as a step sees it; large ones dwarf the skew.
+    A program's lone collective also waits for the devices' start skew, which a step's later collectives do not,
+    so a small one timed alone looks several times slower than inside a step. Chaining small sizes prices the op
+    as a step sees it; large ones dwarf the skew.
 
     Example:
         >>> [chain_length(n) for n in (2**14, 2**16, 2**18, 2**20)]

@@ -45,13 +45,11 @@ class DeviceProfile:
     link_curve: Mapping[str, Mapping[int, tuple[tuple[float, float], ...]]] = dataclasses.field(default_factory=dict)
     """Collective kind -> group size -> measured ``(bus bytes, seconds)`` points, sizes ascending, times
     non-decreasing. Where given, it prices that collective by piecewise-linear interpolation, each end segment
-    extended, on the curve of the nearest measured group size (a small group's rendezvous is cheaper: on 8
-    simulated CPU devices a 32 KiB all-reduce takes ~70 us over pairs, ~180 us over all 8); empty (spec-sheet
-    profiles): the alpha-beta line."""
+    extended, on the curve of the nearest measured group size (a small group's rendezvous is cheaper than a large
+    one's); empty (spec-sheet profiles): the alpha-beta line."""
     memory_curve: tuple[tuple[float, float], ...] = ()
     """Measured ``(working-set bytes per device, bytes/s)`` points of elementwise work, sizes ascending,
-    bandwidths non-increasing (a working set that fits the caches streams faster: on this CPU, with all 8
-    simulated devices busy, ~8 GB/s per device up to 2 MiB, ~6 at 8 MiB, ~4 at 32 MiB). Where given, `memory_seconds`
+    bandwidths non-increasing (a working set that fits the caches streams faster). Where given, `memory_seconds`
     interpolates it (log scale, clamped at the ends); empty (spec-sheet profiles): ``memory_bandwidth``."""
     launch_seconds: float = 0.0
     """Seconds a program takes to start and finish on all devices, paid once per step: a calibration times each

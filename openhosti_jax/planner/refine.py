@@ -40,7 +40,7 @@ from openhosti_jax.state.model import ModelParts
 from openhosti_jax.state.train_state import TrainState
 
 MEASURED_TIE = 0.02
-"""A measured lead under this fraction is noise: identical plans time 1-5% apart on a busy CPU host."""
+"""A measured lead under this fraction is noise: identical plans time a few percent apart on a busy host."""
 
 
 def _zeros(tree: Any) -> Any:
@@ -96,7 +96,7 @@ def time_plans(
 def measured_order(seconds: Sequence[float], tie: float) -> list[int]:
     """Indices of candidates given in predicted order (``seconds``: their measured times), fastest first, except
     that the predicted winner (index 0) stays first unless another beats it by more than the fraction ``tie``:
-    a smaller measured lead is noise (identical plans time 3-5% apart on a busy CPU host).
+    a smaller measured lead is noise (identical plans time a few percent apart on a busy host).
 
     Example:
         >>> measured_order([10.0, 9.9, 11.0], 0.02), measured_order([10.0, 9.0, 11.0], 0.02)

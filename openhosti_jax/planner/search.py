@@ -42,9 +42,9 @@ from openhosti_jax.sizes import divisors, tree_bytes
 from openhosti_jax.state.contracts import ApplyFn
 
 TIE = 0.01
-"""Predicted times within this fraction of the best are ties. The model resolves more than this: on gpt it put
-plain DP 1.8-5.2% behind the best zero1 mesh in five calibrations, and DP measured 0.4-5.5% behind; but a CPU
-calibration's noise flips the order of candidates predicted under 1% apart (data=2 fsdp=4 vs data=4 fsdp=2)."""
+"""Predicted times within this fraction of the best are ties: a run-time calibration's noise can flip the order of
+candidates predicted closer than this, so they are ordered by lower ZeRO stage and memory headroom instead (the
+measurements behind the value are in the README's design notes)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -50,7 +50,9 @@ def test_fsdp_argument_bytes_are_at_most_a_fifth_of_data_parallel():
 def test_batch_not_divisible_by_data_axes_is_a_typed_error():
     state, _, step, data = build_job(JOB, build_mesh(MeshConfig(data=1, fsdp=8)))
     batch = {"tokens": next(data)["tokens"][:12]}
-    with pytest.raises(BatchError, match=r"batch\[.tokens.\]: dim 0 of global size 12 is not divisible by the 8 shards"):
+    with pytest.raises(
+        BatchError, match=r"batch\[.tokens.\]: dim 0 of global size 12 is not divisible by the 8 shards"
+    ):
         step(state, batch)
 
 
