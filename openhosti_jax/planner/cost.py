@@ -32,13 +32,13 @@ import math
 from typing import Any
 
 import jax
-import optax
 from jax.sharding import PartitionSpec as P
 
 from openhosti_jax.planner.profiles import DeviceProfile, bus_bytes
 from openhosti_jax.planner.workload import Workload
 from openhosti_jax.sharding.plan import ShardingPlan
 from openhosti_jax.sharding.specs import is_spec, local_bytes, spec_axes
+from openhosti_jax.sharding.zero import Optimizer
 from openhosti_jax.sizes import tree_bytes
 
 
@@ -84,7 +84,7 @@ def _tensor_dim(spec: P) -> int | None:
 def estimate(
     plan: ShardingPlan,
     work: Workload,
-    tx: optax.GradientTransformation,
+    tx: Optimizer,
     profile: DeviceProfile,
     base_specs: Any | None = None,
     sharded_specs: Any | None = None,

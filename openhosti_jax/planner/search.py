@@ -20,7 +20,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import optax
 from jax.sharding import Mesh
 
 from openhosti_jax.errors import MemoryBudgetError, PlanningError
@@ -30,14 +29,14 @@ from openhosti_jax.planner.calibrate import device_profile
 from openhosti_jax.planner.cost import Estimate, estimate
 from openhosti_jax.planner.profiles import DeviceProfile
 from openhosti_jax.planner.verify import compiled_step_bytes
-from openhosti_jax.planner.workload import Workload, measure
+from openhosti_jax.planner.workload import Workload, measure, measure_step
 from openhosti_jax.sharding.plan import ShardingPlan
 from openhosti_jax.sharding.report import CandidateRow, PlanReport
 from openhosti_jax.sharding.rules import DEFAULT_RULES, Rules
 from openhosti_jax.sharding.specs import DEFAULT_MIN_ELEMENTS, is_spec, spec_axes
 from openhosti_jax.sharding.table import format_bytes
 from openhosti_jax.sharding.tensor import base_specs
-from openhosti_jax.sharding.zero import ZERO_AXES, zero_specs
+from openhosti_jax.sharding.zero import ZERO_AXES, Optimizer, zero_specs
 from openhosti_jax.sizes import divisors, tree_bytes
 from openhosti_jax.state.contracts import ApplyFn
 
@@ -95,7 +94,7 @@ def enumerate_candidates(n_devices: int, *, pipeline: bool = False, tensor: bool
 
 def score(
     work: Workload,
-    tx: optax.GradientTransformation,
+    tx: Optimizer,
     candidate: Candidate,
     profile: DeviceProfile,
     *,
@@ -141,7 +140,7 @@ def gradient_bytes(work: Workload) -> int:
 
 def search(
     work: Workload,
-    tx: optax.GradientTransformation,
+    tx: Optimizer,
     candidates: Sequence[Candidate],
     profile: DeviceProfile,
     **kw: Any,
@@ -230,7 +229,7 @@ def report_for(
 
 def plan_on_mesh(
     abstract_params: Any,
-    tx: optax.GradientTransformation,
+    tx: Optimizer,
     mesh: Mesh,
     *,
     memory_budget: int | None = None,
@@ -241,16 +240,23 @@ def plan_on_mesh(
     device_profile_: DeviceProfile | str | None = None,
     rules: Rules = DEFAULT_RULES,
     verify: bool = True,
+    state: Any = None,
+    layout: Any = None,
 ) -> tuple[ShardingPlan, PlanReport]:
     """(plan, report) for the best ZeRO stage (and tensor-parallel specs when ``tensor`` > 1) on ``mesh``.
 
-    Without ``sample_batch`` (and ``apply_fn``) activations are unknown and the choice rests on state memory and
-    gradient traffic. With ``step_fn`` and ``sample_batch`` the winner is AOT-compiled to record its bytes.
+    Activations and FLOPs come from ``apply_fn`` on ``sample_batch``, or, with no apply function, from the user's
+    ``step_fn`` traced on its abstract ``state`` (whose parameters and optimizer state ``layout`` locates); with
+    neither, the choice rests on state memory and gradient traffic. With ``step_fn`` and ``sample_batch`` the
+    winner is AOT-compiled to record its bytes.
     """
     sizes = {a: mesh_sizes(mesh).get(a, 1) for a in AXES}
     dp = sizes["data"] * sizes["fsdp"]
     batch = sample_batch if sample_batch is not None else jax.ShapeDtypeStruct((dp,), "float32")
-    work = measure(abstract_params, model_state, apply_fn if sample_batch is not None else None, batch)
+    if apply_fn is None and step_fn is not None and state is not None and sample_batch is not None:
+        work = measure_step(step_fn, state, batch, abstract_params, layout)
+    else:
+        work = measure(abstract_params, model_state, apply_fn if sample_batch is not None else None, batch)
     profile = device_profile(list(mesh.devices.flat), device_profile_, max_bytes=gradient_bytes(work))
     budget = memory_budget if memory_budget is not None else profile.memory_bytes
     stages = [0] if dp == 1 else [0, 1, 2, 3]

@@ -20,18 +20,20 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 from jax.sharding import Mesh
 
 from openhosti_jax.planner.workload import Workload
 from openhosti_jax.sharding.plan import ShardingPlan
+from openhosti_jax.sharding.zero import Optimizer
 from openhosti_jax.state.contracts import StepFn
 from openhosti_jax.state.jit import jit_step, memory_bytes
 from openhosti_jax.state.train_state import TrainState
 
 
-def abstract_state(work: Workload, tx: optax.GradientTransformation) -> TrainState:
-    """The `TrainState` for ``work`` as abstract leaves."""
+def abstract_state(work: Workload, tx: Optimizer) -> Any:
+    """The abstract state the step takes: the user's (``work.state``), else a `TrainState` for ``work``."""
+    if work.state is not None:
+        return work.state
     apply = work.apply_fn
 
     def build(params: Any, key: jax.Array) -> TrainState:
@@ -54,18 +56,14 @@ def default_step(state: TrainState, batch: Any) -> tuple[TrainState, Any]:
     return state.apply_gradients(grads=grads), {"loss": value}
 
 
-def lower_step(
-    plan: ShardingPlan, work: Workload, tx: optax.GradientTransformation, step_fn: StepFn, mesh: Mesh
-) -> jax.stages.Lowered:
+def lower_step(plan: ShardingPlan, work: Workload, tx: Optimizer, step_fn: StepFn, mesh: Mesh) -> jax.stages.Lowered:
     """The step lowered with the plan's shardings and donation, from abstract state and batch."""
     state = abstract_state(work, tx)
-    fn, _ = jit_step(step_fn, plan, mesh, state, work.batch)
+    fn, _ = jit_step(step_fn, plan, mesh, state, work.batch, layout=work.layout)
     with jax.set_mesh(mesh):
         return fn.lower(state, work.batch)
 
 
-def compiled_step_bytes(
-    plan: ShardingPlan, work: Workload, tx: optax.GradientTransformation, step_fn: StepFn, mesh: Mesh
-) -> int | None:
+def compiled_step_bytes(plan: ShardingPlan, work: Workload, tx: Optimizer, step_fn: StepFn, mesh: Mesh) -> int | None:
     """Per-device bytes of the compiled step (None when the backend does not say)."""
     return memory_bytes(lower_step(plan, work, tx, step_fn, mesh).compile())

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
+import optax
 from jax.extend.core import Literal
 
 from openhosti_jax.errors import BatchError
@@ -67,10 +68,17 @@ class Workload:
     """The per-example residuals of ``jaxpr`` counted in ``activation_bytes_per_example``."""
     outputs: tuple[Any, ...] = ()
     """The model's outputs among ``jaxpr``'s outvars (the loss on them adds their cotangent and one residual)."""
+    state: Any = None
+    """The abstract state a user's step takes, when the plan is made for that step (else a `TrainState` is built)."""
+    layout: Any = None
+    """Where ``state`` keeps its parameters and optimizer state (`openhosti_jax.state.layout.StateLayout`)."""
     _split_cache: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     def opt_state(self, tx: Any) -> Any:
-        """The abstract optimizer state of ``tx`` for ``params`` (traced once per optimizer)."""
+        """The abstract optimizer state of ``tx`` for ``params`` (traced once per optimizer); ``tx`` may be that
+        state already (a user's ``(params, opt_state)``), or None."""
+        if not isinstance(tx, optax.GradientTransformation):
+            return tx
         key = ("opt", id(tx))
         if key not in self._split_cache:
             self._split_cache[key] = (tx, jax.eval_shape(tx.init, self.params))
@@ -188,6 +196,61 @@ def measure(params: Any, model_state: Any, apply_fn: ApplyFn | None, batch: Any)
         residuals,
         outputs,
     )
+
+
+def _live_bytes(jaxpr: Any) -> list[float]:
+    """Bytes of the values the program has made and still needs, after each equation in program order (nested
+    jaxprs count as one equation: their outputs are live, their temporaries are not)."""
+    last_use: dict[Any, int] = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+        for v in eqn.invars:
+            if not isinstance(v, Literal):
+                last_use[v] = i
+    for v in jaxpr.outvars:
+        if not isinstance(v, Literal):
+            last_use[v] = len(jaxpr.eqns)
+    live, dying, out = 0.0, {}, []
+    for i, eqn in enumerate(jaxpr.eqns):
+        for v in eqn.outvars:
+            if v in last_use:
+                live += leaf_bytes(v)
+                dying[last_use[v]] = dying.get(last_use[v], 0.0) + leaf_bytes(v)
+        out.append(live)
+        live -= dying.pop(i, 0.0)
+    return out
+
+
+def measure_step(step_fn: Any, state: Any, batch: Any, params: Any, layout: Any = None) -> Workload:
+    """The `Workload` of a user's ``step_fn(state, batch)`` with no apply function, from traces of the whole step
+    at batch sizes 1 and 2: its matmul FLOPs per example (forward and backward already), and its activations per
+    example, the most that one more example adds to the bytes alive at any point of the program (what does not
+    grow with the batch, the gradient and the updates, cancels).
+
+    Example:
+        >>> import jax, jax.numpy as jnp, optax
+        >>> params, tx = {"w": jnp.ones((16, 16))}, optax.sgd(0.1)
+        >>> def step(state, x):
+        ...     p, o = state
+        ...     g = jax.grad(lambda q: jnp.sum(jnp.tanh(x @ q["w"])))(p)
+        ...     u, o = tx.update(g, o, p)
+        ...     return (optax.apply_updates(p, u), o), {}
+        >>> w = measure_step(step, (params, tx.init(params)), jax.ShapeDtypeStruct((8, 16), jnp.float32), params)
+        >>> w.flops_per_example  # x @ w forward, and the weight gradient x^T @ dy
+        1024.0
+    """
+    batch = abstract(batch)
+    n = _batch_size(batch)
+    one, two = (jax.make_jaxpr(step_fn)(state, _resize(batch, k)).jaxpr for k in (1, 2))
+    flops = count_flops(one, matmul_only=True)
+    live_one, live_two = _live_bytes(one), _live_bytes(two)
+    act = (
+        max((b - a for a, b in zip(live_one, live_two, strict=True)), default=0.0)
+        if len(live_one) == len(live_two)
+        else max(live_two, default=0.0) / 2
+    )
+    first = jax.tree.leaves(batch)[0]
+    tokens = math.prod(first.shape[1:-1]) if first.ndim >= 3 else 1
+    return Workload(params, None, None, batch, n, flops, act, tokens, state=state, layout=layout)
 
 
 def workload(model: Any, sample_batch: Any, *, apply_fn: ApplyFn | None = None) -> Workload:

@@ -22,7 +22,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
-import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -31,7 +30,7 @@ from openhosti_jax.mesh.build import mesh_sizes
 from openhosti_jax.mesh.config import AXES, BATCH_AXES
 from openhosti_jax.sharding.specs import DEFAULT_MIN_ELEMENTS, is_spec, spec_axes, validate_specs
 from openhosti_jax.sharding.table import format_bytes, leaf_rows, spec_str, unsharded_leaves
-from openhosti_jax.sharding.zero import ZERO_AXES, zero_specs
+from openhosti_jax.sharding.zero import ZERO_AXES, Optimizer, zero_specs
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -67,7 +66,7 @@ class ShardingPlan:
     def from_zero(
         cls,
         params: Any,
-        tx: optax.GradientTransformation,
+        tx: Optimizer,
         mesh_shape: Mapping[str, int],
         zero_stage: int,
         *,

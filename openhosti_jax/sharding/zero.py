@@ -1,7 +1,10 @@
-"""ZeRO stages as shardings of parameters, gradients and optax state.
+"""ZeRO stages as shardings of parameters, gradients and optimizer state.
 
 Stage 0 replicates everything (DDP); 1 shards the optimizer state over the data-parallel axes; 2 also
-reduce-scatters gradients; 3 also shards parameters (FSDP), which XLA gathers per use.
+reduce-scatters gradients; 3 also shards parameters (FSDP), which XLA gathers per use. The optimizer is an optax
+`GradientTransformation` (its state's parameter-shaped leaves found by `optax.tree_map_params`) or, where only the
+state is known (a user's ``(params, opt_state)``), the abstract optimizer state itself: then every leaf whose path
+ends with a parameter's path and has its shape (Adam's ``mu`` and ``nu``, momentum's ``trace``) mirrors it.
 
 Example:
     >>> import jax, jax.numpy as jnp, optax
@@ -28,9 +31,46 @@ ZERO_AXES: tuple[str, ...] = ("data", "fsdp")
 """The data-parallel axes ZeRO shards state over."""
 
 
-def opt_state_specs(tx: optax.GradientTransformation, params: Any, leaf_specs: Any) -> Any:
-    """Specs for ``tx``'s state: each parameter-shaped leaf (Adam mu, nu, ...) gets its parameter's spec,
-    everything else (counts, scalars) is replicated."""
+Optimizer = optax.GradientTransformation | Any
+"""An optax transformation, or the abstract state of one (a pytree), or None for an optimizer without state."""
+
+
+def mirror_specs(tree: Any, params: Any, leaf_specs: Any) -> Any:
+    """A spec per leaf of ``tree``: the spec (from ``leaf_specs``, a tree like ``params``) of the parameter whose
+    path ends the leaf's path and whose shape it has; every other leaf replicated.
+
+    Example:
+        >>> import jax.numpy as jnp, optax
+        >>> params = {"w": jnp.ones((8, 2))}
+        >>> specs = mirror_specs(optax.adam(0.1).init(params), params, {"w": P("fsdp", None)})
+        >>> specs[0].mu["w"], specs[0].count
+        (P('fsdp', None), P())
+    """
+    by_path = {
+        tuple(p): (tuple(x.shape), s)
+        for (p, x), s in zip(
+            jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(leaf_specs, is_leaf=is_spec), strict=True
+        )
+    }
+
+    def spec(path: Any, leaf: Any) -> P:
+        path, shape = tuple(path), tuple(getattr(leaf, "shape", ()))
+        for k in range(len(path)):
+            found = by_path.get(path[k:])
+            if found is not None and found[0] == shape:
+                return found[1]
+        return P()
+
+    return jax.tree_util.tree_map_with_path(spec, tree)
+
+
+def opt_state_specs(tx: Optimizer, params: Any, leaf_specs: Any) -> Any:
+    """Specs for the optimizer's state: each parameter-shaped leaf (Adam mu, nu, ...) gets its parameter's spec,
+    everything else (counts, scalars) is replicated. ``tx`` may be the abstract state itself (`mirror_specs`)."""
+    if tx is None:
+        return None
+    if not isinstance(tx, optax.GradientTransformation):
+        return mirror_specs(tx, params, leaf_specs)
     abstract_state = jax.eval_shape(tx.init, params)
     return optax.tree_map_params(
         tx,
@@ -44,7 +84,7 @@ def opt_state_specs(tx: optax.GradientTransformation, params: Any, leaf_specs: A
 
 def zero_specs(
     params: Any,
-    tx: optax.GradientTransformation,
+    tx: Optimizer,
     sizes: Mapping[str, int],
     stage: int,
     *,

@@ -43,12 +43,27 @@ def constrain_gradients(grads: Any) -> Any:
     return jax.lax.with_sharding_constraint(grads, shardings)
 
 
-def active_microbatches(num_microbatches: int) -> contextlib.AbstractContextManager[None]:
-    """Within the block, `current_microbatches` returns ``num_microbatches`` (set by ``@spmd(microbatch=...)``)."""
-    return _setting("microbatches", num_microbatches)
+class MicrobatchCount:
+    """The accumulation count an ``@spmd`` step runs, and whether the traced step asked for it."""
+
+    def __init__(self, count: int):
+        self.count = count
+        self.read = False
+
+
+@contextlib.contextmanager
+def active_microbatches(num_microbatches: int) -> Iterator[MicrobatchCount]:
+    """Within the block, `current_microbatches` returns ``num_microbatches`` (set by ``@spmd(microbatch=...)``);
+    the yielded `MicrobatchCount` records whether anything asked."""
+    count = MicrobatchCount(num_microbatches)
+    with _setting("microbatches", count):
+        yield count
 
 
 def current_microbatches(default: int = 1) -> int:
     """The accumulation count chosen by the enclosing ``@spmd`` step, else ``default``."""
     value = getattr(_local, "microbatches", None)
-    return default if value is None else value
+    if value is None:
+        return default
+    value.read = True
+    return value.count

@@ -24,17 +24,17 @@ from typing import Any
 import jax
 import optax
 from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
 
 from openhosti_jax.sharding.plan import ShardingPlan
+from openhosti_jax.state.layout import StateLayout, find_layout
 from openhosti_jax.state.model import ModelParts
 from openhosti_jax.state.train_state import TrainState
 
 
-def state_specs(plan: ShardingPlan, state: TrainState) -> Any:
-    """Specs for a whole `TrainState`: params and opt_state as planned, every other leaf replicated."""
-    replicated = jax.tree.map(lambda _: P(), state)
-    return replicated.replace(params=plan.param_specs, opt_state=plan.opt_specs)
+def state_specs(plan: ShardingPlan, state: Any, layout: StateLayout | None = None) -> Any:
+    """Specs for a whole state pytree (`find_layout` locates its parameters and optimizer state): those as
+    planned, leaves mirroring the parameters like them, every other leaf replicated."""
+    return (layout or find_layout(state)).specs(state, plan.param_specs, plan.opt_specs)
 
 
 def abstract_train_state(state: Any) -> Any:

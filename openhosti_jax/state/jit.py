@@ -19,13 +19,17 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from openhosti_jax.errors import StateError
 from openhosti_jax.sharding.plan import ShardingPlan
 from openhosti_jax.state.context import active_gradient_shardings, active_microbatches
 from openhosti_jax.state.contracts import StepFn
 from openhosti_jax.state.init import state_specs
+from openhosti_jax.state.layout import StateLayout
 
 
 def jit_step(
@@ -37,17 +41,27 @@ def jit_step(
     *,
     donate: bool = True,
     num_microbatches: int | None = None,
+    layout: StateLayout | None = None,
 ) -> tuple[Any, Any]:
     """(``fn`` jitted with the plan's in/out shardings for arguments shaped like ``state`` and ``batch``, the
-    state's shardings). Metrics come back replicated. ``num_microbatches`` defaults to the plan's."""
+    state's shardings). Metrics come back replicated. ``num_microbatches`` defaults to the plan's; ``layout``
+    (default: found) says where the state keeps its parameters and optimizer state."""
     k = num_microbatches or plan.num_microbatches
-    state_sh = plan.shardings(mesh, state_specs(plan, state))
+    state_sh = plan.shardings(mesh, state_specs(plan, state, layout))
     grad_sh = plan.shardings(mesh, plan.grad_specs)
     batch_sh = plan.batch_shardings(mesh, batch)
 
     def traced(s: Any, b: Any) -> tuple[Any, Any]:
-        with active_gradient_shardings(grad_sh), active_microbatches(k):
-            return fn(s, b)
+        with active_gradient_shardings(grad_sh), active_microbatches(k) as count:
+            out = fn(s, b)
+        if k > 1 and not count.read:
+            raise StateError(
+                f"the step runs {k} microbatches but never asks for them, so it would train on the whole batch at "
+                "once while the plan says otherwise; build it with openhosti_jax.make_train_step(loss_fn), or read "
+                "openhosti_jax.state.context.current_microbatches() in it, or drop microbatch="
+            )
+        check_step_output(s, out)
+        return out
 
     jitted = jax.jit(
         traced,
@@ -56,6 +70,45 @@ def jit_step(
         donate_argnums=(0,) if donate else (),
     )
     return jitted, state_sh
+
+
+def check_step_output(state: Any, out: Any) -> None:
+    """Raise `StateError` listing every way ``out`` is not ``(new state like state, metrics of scalars)``: the
+    state's structure, each leaf's shape and dtype, and each metric's rank."""
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise StateError(
+            f"a train step must return (new_state, metrics), found {type(out).__name__}"
+            + (f" of length {len(out)}" if isinstance(out, tuple | list) else "")
+            + "; return the updated state and a dict of scalar metrics"
+        )
+    new, metrics = out
+    if jax.tree.structure(new) != jax.tree.structure(state):
+        raise StateError(
+            f"the step returned a state of another structure than it took:\n  took     {jax.tree.structure(state)}"
+            f"\n  returned {jax.tree.structure(new)}\nreturn the same pytree (e.g. state.replace(...)), with the "
+            "same fields and keys"
+        )
+    problems = [
+        f"state{jax.tree_util.keystr(p)}: took {a.shape} {a.dtype}, returned {b.shape} {b.dtype}"
+        for (p, a), b in zip(jax.tree_util.tree_flatten_with_path(state)[0], jax.tree.leaves(new), strict=True)
+        if (np.shape(a), jnp.result_type(a)) != (np.shape(b), jnp.result_type(b))
+    ]
+    if problems:
+        raise StateError(
+            "the step changed the shape or dtype of state leaves (a jitted step keeps them fixed):\n  "
+            + "\n  ".join(problems)
+            + "\ncast or reshape back before returning, e.g. new.astype(old.dtype)"
+        )
+    bad = [
+        f"metrics{jax.tree_util.keystr(p)}: shape {np.shape(m)}"
+        for p, m in jax.tree_util.tree_flatten_with_path(metrics)[0]
+        if np.ndim(m)
+    ]
+    if bad:
+        raise StateError(
+            "expected every metric to be a scalar, found " + ", ".join(bad) + "; reduce it (jnp.mean, jnp.sum) "
+            "or return it from the state instead"
+        )
 
 
 def memory_stats(compiled: jax.stages.Compiled) -> dict[str, int] | None:

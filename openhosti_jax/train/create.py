@@ -30,6 +30,7 @@ from openhosti_jax.mesh.build import mesh_sizes
 from openhosti_jax.planner.search import plan_on_mesh
 from openhosti_jax.sharding.plan import ShardingPlan
 from openhosti_jax.sharding.report import PlanReport
+from openhosti_jax.sharding.zero import Optimizer
 from openhosti_jax.state.contracts import ApplyFn
 from openhosti_jax.state.init import init_state
 from openhosti_jax.state.model import model_parts
@@ -42,7 +43,7 @@ _NAMED = {"dp": 0, "ddp": 0, "zero0": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fs
 
 
 def resolve_plan(
-    strategy: Strategy, abstract_params: Any, tx: optax.GradientTransformation, mesh: Mesh, **plan_kw: Any
+    strategy: Strategy, abstract_params: Any, tx: Optimizer, mesh: Mesh, **plan_kw: Any
 ) -> tuple[ShardingPlan, PlanReport]:
     """(plan, report) for a strategy name, a ZeRO stage or a plan on ``mesh``; ``"auto"`` runs the planner
     (`openhosti_jax.planner.plan_on_mesh`, which takes ``plan_kw``)."""

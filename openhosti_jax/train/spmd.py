@@ -1,6 +1,9 @@
 """``@spmd``: shard a user's ``train_step(state, batch) -> (state, metrics)`` over a mesh by a plan.
 
-The decorator places the batch over the data-parallel axes (`openhosti_jax.sharding.place_batch`), jits the step
+The state is any pytree: the library's `TrainState`, a flax ``TrainState`` subclass, a plain ``(params,
+opt_state)``, an ``nnx.split`` state. Its parameters and optimizer state are found by
+`openhosti_jax.state.layout.find_layout` (``params=`` / ``opt_state=`` name them for unusual layouts). The decorator
+places the batch over the data-parallel axes (`openhosti_jax.sharding.place_batch`), jits the step
 with the plan's in/out shardings and buffer donation (`openhosti_jax.state.jit_step`), and makes the plan's gradient
 shardings active so `TrainState.apply_gradients` reduce-scatters under ZeRO-2/3. ``step.plan`` is the decision the
 step runs; ``step.report`` says why it was chosen and what happened since (an automatic microbatch, an
@@ -29,6 +32,7 @@ from typing import Any
 
 import jax
 import numpy as np
+import optax
 from jax.sharding import Mesh
 
 from openhosti_jax.errors import BatchError, StateError
@@ -38,11 +42,24 @@ from openhosti_jax.microbatch import OOMRetryStep, find_microbatch
 from openhosti_jax.sharding.batch import place_batch
 from openhosti_jax.sharding.plan import ShardingPlan
 from openhosti_jax.sharding.report import PlanReport
+from openhosti_jax.sharding.zero import Optimizer
 from openhosti_jax.state.contracts import StepFn
 from openhosti_jax.state.jit import jit_step
+from openhosti_jax.state.layout import StateLayout, find_layout
 from openhosti_jax.state.model import abstract
 from openhosti_jax.state.train_state import TrainState
 from openhosti_jax.train.create import Strategy, resolve_plan
+
+
+def _optimizer(state: Any, shapes: Any, layout: StateLayout) -> Optimizer:
+    """The state's optax transformation when it carries one whose state is the layout's optimizer state (flax's
+    and the library's TrainState), else that abstract optimizer state itself (ZeRO mirrors it leaf by leaf)."""
+    opt = layout.opt_state(shapes)
+    tx = getattr(state, "tx", None)
+    if isinstance(tx, optax.GradientTransformation) and opt is not None:
+        if jax.tree.structure(jax.eval_shape(tx.init, layout.params(shapes))) == jax.tree.structure(opt):
+            return tx
+    return opt
 
 
 class SpmdStep:
@@ -57,8 +74,13 @@ class SpmdStep:
         microbatch: int | str | None,
         memory_budget: int | None,
         plan_kw: dict,
+        params: str | None = None,
+        opt_state: str | None = None,
     ):
         functools.update_wrapper(self, fn)
+        self._paths = {"params": params, "opt_state": opt_state}
+        self.layout: StateLayout | None = None
+        """Where the state keeps its parameters and optimizer state (after the first call)."""
         self.fn = fn
         self.mesh = mesh
         self._strategy = plan
@@ -77,9 +99,11 @@ class SpmdStep:
         self._retry = None
         self._agreed = False
 
-    def _auto_plan_kw(self, state: TrainState, batch: Any) -> dict[str, Any]:
-        """What ``plan="auto"`` gives the planner from the first call: the model, the real batch shapes, and this
-        step to AOT-compile the winner (keyword arguments given to `spmd` take precedence)."""
+    def _auto_plan_kw(self, state: Any, batch: Any) -> dict[str, Any]:
+        """What ``plan="auto"`` gives the planner from the first call: the real batch shapes, this step (to price
+        from its jaxpr where no apply function takes the batch, and to AOT-compile the winner) with its abstract
+        state, and the model's apply function if it takes the batch as given (keyword arguments given to `spmd`
+        take precedence)."""
         rows = jax.process_count()
 
         def global_leaf(x: Any) -> jax.ShapeDtypeStruct:
@@ -89,34 +113,37 @@ class SpmdStep:
             return jax.ShapeDtypeStruct(shape, jax.numpy.result_type(x))
 
         sample = jax.tree.map(global_leaf, batch)
-        model_state = abstract(state.model_state) if state.model_state is not None else None
-        kw: dict[str, Any] = {"sample_batch": sample, "model_state": model_state}
-        if state.apply_fn is not None:
+        kw: dict[str, Any] = {"sample_batch": sample, "step_fn": self.fn, "state": abstract(state)}
+        kw["layout"] = self.layout
+        apply_fn = getattr(state, "apply_fn", None) if isinstance(state, TrainState) else None
+        model_state = abstract(state.model_state) if apply_fn is not None and state.model_state is not None else None
+        if apply_fn is not None:
             try:  # activations and FLOPs come from apply_fn(params, batch): only if it takes the batch as given
-                jax.eval_shape(
-                    lambda p, b: state.apply_fn(p, b, model_state=model_state), abstract(state.params), sample
-                )
-                kw.update(apply_fn=state.apply_fn, step_fn=self.fn)
+                jax.eval_shape(lambda p, b: apply_fn(p, b, model_state=model_state), abstract(state.params), sample)
+                kw.update(apply_fn=apply_fn, model_state=model_state)
             except Exception:  # noqa: BLE001 - e.g. a dict batch the model does not take: said in the report
                 pass
         return {**kw, **self._plan_kw}
 
-    def _resolve(self, state: TrainState, batch: Any = None) -> ShardingPlan:
-        if not isinstance(state, TrainState):
-            raise StateError(
-                f"@spmd step expects an openhosti_jax.TrainState as first argument, found {type(state).__name__}; "
-                "create it with openhosti_jax.create_train_state"
-            )
+    def _resolve(self, state: Any, batch: Any = None) -> ShardingPlan:
+        if self.layout is None:
+            self.layout = find_layout(state, **self._paths)
         if self.mesh is None:
             self.mesh = build_mesh()
         if self.plan is None or self.report is None:
             strategy = self.plan or self._strategy or "fsdp"
             kw = self._auto_plan_kw(state, batch) if strategy == "auto" and batch is not None else self._plan_kw
-            self.plan, self.report = resolve_plan(strategy, abstract(state.params), state.tx, self.mesh, **kw)
-            if strategy == "auto" and "apply_fn" not in kw:
+            shapes = abstract(state)
+            params = self.layout.params(shapes)
+            self.plan, self.report = resolve_plan(
+                strategy, params, _optimizer(state, shapes, self.layout), self.mesh, **kw
+            )
+            self.plan.validate(params)
+            self.report.record(f"state layout: {self.layout.describe()}")
+            if strategy == "auto" and "apply_fn" not in kw and batch is not None:
                 self.report.record(
-                    "activations unknown and winner not compiled: state.apply_fn(params, batch) does not take the "
-                    "batch as given; pass spmd(..., apply_fn=f) with f(params, batch, model_state=None)"
+                    "activations and FLOPs priced from the step's own jaxpr: no apply_fn(params, batch) takes the "
+                    "batch as given (pass spmd(..., apply_fn=f) with f(params, batch, model_state=None) to use one)"
                 )
         self.plan.check_mesh(self.mesh)
         if jax.process_count() > 1 and not self._agreed:
@@ -129,21 +156,25 @@ class SpmdStep:
         """Gradient-accumulation steps the step currently runs."""
         return self.plan.num_microbatches if self.plan is not None else 1
 
-    def _compiled_fn(self, state: TrainState, batch: Any, k: int | None = None) -> tuple[Callable, Any]:
+    def _compiled_fn(self, state: Any, batch: Any, k: int | None = None) -> tuple[Callable, Any]:
         plan = self._resolve(state, batch)
         k = k or plan.num_microbatches
         key = (jax.tree.structure(state), jax.tree.structure(batch), k)
         if key not in self._jitted:
-            self._jitted[key] = jit_step(self.fn, plan, self.mesh, state, batch, donate=self.donate, num_microbatches=k)
+            self._jitted[key] = jit_step(
+                self.fn, plan, self.mesh, state, batch, donate=self.donate, num_microbatches=k, layout=self.layout
+            )
         return self._jitted[key]
 
-    def place(self, state: TrainState, batch: Any) -> tuple[TrainState, Any]:
+    def place(self, state: Any, batch: Any) -> tuple[Any, Any]:
         """(state moved to the plan's shardings if it is not there yet, batch sharded over the data axes)."""
         _, state_sh = self._compiled_fn(state, batch)
-        state = jax.tree.map(lambda x, s: x if x.sharding == s else jax.device_put(x, s), state, state_sh)
+        state = jax.tree.map(
+            lambda x, s: x if isinstance(x, jax.Array) and x.sharding == s else jax.device_put(x, s), state, state_sh
+        )
         return state, place_batch(batch, self.mesh, self.plan.batch_spec)
 
-    def lower(self, state: TrainState, batch: Any, num_microbatches: int | None = None) -> jax.stages.Lowered:
+    def lower(self, state: Any, batch: Any, num_microbatches: int | None = None) -> jax.stages.Lowered:
         """The lowered step for these (possibly abstract) arguments: ``.compile().memory_analysis()`` etc."""
         fn, _ = self._compiled_fn(state, batch, num_microbatches)
         with jax.set_mesh(self.mesh):
@@ -159,7 +190,7 @@ class SpmdStep:
     def _set_microbatches(self, per_device: int, size: int) -> None:
         self.plan = dataclasses.replace(self.plan, num_microbatches=per_device // size)
 
-    def _choose_microbatches(self, state: TrainState, batch: Any) -> None:
+    def _choose_microbatches(self, state: Any, batch: Any) -> None:
         per_device = self._per_device_batch(batch)
         if self._microbatch == "auto":
             choice = find_microbatch(
@@ -184,15 +215,15 @@ class SpmdStep:
         self._retry = OOMRetryStep(self._run_with, per_device, size, on_resize=resized)
         self._set_microbatches(per_device, size)
 
-    def _run_with(self, size: int) -> Callable[[TrainState, Any], tuple[TrainState, Any]]:
-        def run(state: TrainState, batch: Any) -> tuple[TrainState, Any]:
+    def _run_with(self, size: int) -> Callable[[Any, Any], tuple[Any, Any]]:
+        def run(state: Any, batch: Any) -> tuple[Any, Any]:
             fn, _ = self._compiled_fn(state, batch, self._per_device_batch(batch) // size)
             with jax.set_mesh(self.mesh):
                 return fn(state, batch)
 
         return run
 
-    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, Any]:
+    def __call__(self, state: Any, batch: Any) -> tuple[Any, Any]:
         state, batch = self.place(state, batch)
         if self._retry is None:
             self._choose_microbatches(state, batch)
@@ -208,12 +239,16 @@ def spmd(
     microbatch: int | str | None = None,
     memory_budget: int | None = None,
     balance: bool = False,
+    params: str | None = None,
+    opt_state: str | None = None,
     **plan_kw: Any,
 ) -> SpmdStep | Callable[[StepFn], SpmdStep]:
     """Decorate ``train_step(state, batch) -> (state, metrics)`` to run sharded over ``mesh`` by ``plan``.
 
     ``plan`` is a `ShardingPlan`, a strategy (``"fsdp"`` default, ``"dp"``, ``"zero1"``, ``"zero2"``,
-    ``"auto"``) or a ZeRO stage; ``mesh`` defaults to all devices on the ``data`` axis.
+    ``"auto"``) or a ZeRO stage; ``mesh`` defaults to all devices on the ``data`` axis. The state is any pytree;
+    ``params`` / ``opt_state`` (dotted paths such as ``"0"`` or ``"model.params"``) say where its parameters and
+    optimizer state are when the automatic search (`openhosti_jax.state.layout.find_layout`) cannot tell.
     ``microbatch`` is the number of gradient-accumulation steps, or ``"auto"``: the largest per-device microbatch
     whose compiled peak fits ``memory_budget`` (default: the device's limit), found by AOT compiles. Steps built with
     `openhosti_jax.microbatch.make_train_step` accumulate over it; an out-of-memory step halves the microbatch and
@@ -227,6 +262,6 @@ def spmd(
         )
 
     def build(f: StepFn) -> SpmdStep:
-        return SpmdStep(f, mesh, plan, donate, microbatch, memory_budget, plan_kw)
+        return SpmdStep(f, mesh, plan, donate, microbatch, memory_budget, plan_kw, params, opt_state)
 
     return build if fn is None else build(fn)
