@@ -4,6 +4,8 @@ import math
 import pathlib
 import re
 
+import jax
+
 README = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
 
 
@@ -24,3 +26,8 @@ def test_quick_start_runs_and_trains():
     assert int(scope["state"].step) == 1
     assert math.isfinite(float(scope["metrics"]["loss"]))
     assert scope["plan"].zero_stage == 3
+    keep = re.search(r"### Or keep the step you have.*?```python\n(.*?)```", README, re.S).group(1)
+    exec(compile(keep, "README.md", "exec"), scope)  # noqa: S102 - continues the quick start's scope
+    assert math.isfinite(float(scope["metrics"]["loss"])) and int(scope["flax_state"].step) == 1
+    assert scope["plain_step"].layout.describe() == "parameters at state[0], optimizer state at state[1]"
+    assert scope["flax_state"].params["Dense_0"]["kernel"].sharding.spec == jax.P(None, ("data", "fsdp"))

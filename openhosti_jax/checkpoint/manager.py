@@ -113,6 +113,8 @@ class CheckpointManager:
         self._signal: int | None = None
         self._old_handlers: dict[int, Any] = {}
         self.preempted = False
+        self.restored_step: int | None = None
+        """The step the last `restore` read (after any fallback past a corrupt step)."""
         """Set once a save forced by a signal has committed: the training loop should stop."""
 
     # -- saving ------------------------------------------------------------------------------------------
@@ -310,6 +312,7 @@ class CheckpointManager:
             ),
         )
         state = unflatten_state(abstract_state, out["state"], info["key_impls"])
+        self.restored_step = step
         return state, out["data"]["data_state"], meta["user"]
 
     def checkpoint_info(self, step: int) -> dict[str, Any]:

@@ -22,8 +22,10 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, SingleDeviceSharding
 
 from openhosti_jax.sharding.plan import ShardingPlan
 from openhosti_jax.state.layout import StateLayout, find_layout
@@ -38,8 +40,17 @@ def state_specs(plan: ShardingPlan, state: Any, layout: StateLayout | None = Non
 
 
 def abstract_train_state(state: Any) -> Any:
-    """The state as `jax.ShapeDtypeStruct` leaves carrying their shardings (a restore or compile target)."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    """The state as `jax.ShapeDtypeStruct` leaves carrying their shardings (a restore or compile target); a leaf
+    that is not yet a ``jax.Array`` (flax's ``step=0``) goes to this process's first device, and ``@spmd`` places it
+    by the plan on the next step."""
+    here = SingleDeviceSharding(jax.local_devices()[0])
+
+    def leaf(x: Any) -> jax.ShapeDtypeStruct:
+        if isinstance(x, jax.Array):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+        return jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x), sharding=here)
+
+    return jax.tree.map(leaf, state)
 
 
 def init_state(

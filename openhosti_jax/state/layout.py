@@ -251,3 +251,30 @@ def find_layout(state: Any, *, params: str | None = None, opt_state: str | None 
     for p in floating[1:]:
         common = _common(common, p)
     return StateLayout(common, None, o_named)
+
+
+def step_of(state: Any) -> int | None:
+    """The optimizer step a state has counted: its ``step`` field (flax's and the library's TrainState, an
+    `nnx.Optimizer`), else optax's ``count``, else None (a plain state whose optimizer counts nothing).
+
+    Example:
+        >>> import jax.numpy as jnp, optax
+        >>> params = {"w": jnp.ones(2)}
+        >>> step_of((params, optax.adam(0.1).init(params))), step_of((params, optax.sgd(0.1).init(params)))
+        (0, None)
+    """
+    step = getattr(state, "step", None)
+    if step is not None and not callable(step):
+        return int(step)
+    leaves = [(tuple(p), x) for p, x in jax.tree_util.tree_flatten_with_path(state)[0]]
+    for name in ("step", "count"):
+        found = [(len(p), x) for p, x in leaves if p and _key_name(p[-1]) in (name, "value") and _names(p, name)]
+        if found:
+            return int(min(found, key=lambda t: t[0])[1])
+    return None
+
+
+def _names(path: Path, name: str) -> bool:
+    """Whether ``path`` ends with ``name`` (or ``name.value``, an nnx Variable)."""
+    last = [_key_name(k) for k in path[-2:]]
+    return last[-1] == name or last == [name, "value"]

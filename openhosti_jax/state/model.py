@@ -2,7 +2,9 @@
 parameters and model state, and an apply function.
 
 An nnx module is split into its graph (kept in the apply function), its `nnx.Param` leaves (the parameters) and
-the rest (the model state: batch statistics, RNG counts). A linen module is initialised on a sample batch.
+the rest (the model state: batch statistics, RNG counts). A linen module is initialised on a sample batch; an
+``init_fn`` returning linen variables (``model.init(...)``: ``params`` and other collections such as
+``batch_stats``) gives the parameters and, as the model state, the other collections.
 
 Example:
     >>> import jax, jax.numpy as jnp
@@ -18,7 +20,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -36,11 +38,16 @@ def abstract(tree: Any) -> Any:
 
 
 def nnx_apply_fn(graphdef: Any) -> ApplyFn:
-    """``apply_fn(params, *args, model_state=None, **kw)`` calling the nnx module merged from ``graphdef``."""
+    """``apply_fn(params, *args, model_state=None, mutable=False, **kw)`` calling the nnx module merged from
+    ``graphdef``. With ``mutable=True`` it returns ``(outputs, new_model_state)``: what the call changed (BatchNorm
+    statistics in training mode, Dropout's RNG counts), for the step to keep with ``state.replace(model_state=...)``.
+    The module is rebuilt with fresh variables on every call, so a call inside ``jax.grad`` may update them."""
 
-    def apply(params: Any, *args: Any, model_state: Any = None, **kwargs: Any) -> Any:
-        module = nnx.merge(graphdef, params, model_state) if model_state is not None else nnx.merge(graphdef, params)
-        return module(*args, **kwargs)
+    def apply(params: Any, *args: Any, model_state: Any = None, mutable: bool = False, **kwargs: Any) -> Any:
+        states = (params,) if model_state is None else (params, model_state)
+        module = nnx.merge(graphdef, *states, copy=True)
+        out = module(*args, **kwargs)
+        return (out, _split(module)[2]) if mutable else out
 
     return apply
 
@@ -86,10 +93,10 @@ def model_parts(
     if isinstance(model, linen.Module):
         if sample_batch is None:
             raise StateError("a linen module needs a sample batch to initialise; pass sample_batch or an init_fn")
-        init = lambda r: (model.init(r, sample_batch)["params"], None)
-        found = lambda p, *a, model_state=None, **kw: model.apply({"params": p}, *a, **kw)
-        params = _eval_shape(lambda r: init(r)[0], key, mesh)
-        return ModelParts(init, params, None, apply_fn or found)
+        init = lambda r: _split_variables(model.init(r, sample_batch))
+        found = lambda p, *a, model_state=None, **kw: model.apply({"params": p, **(model_state or {})}, *a, **kw)
+        params, rest = _eval_shape(init, key, mesh)
+        return ModelParts(init, params, rest, apply_fn or found)
     if isinstance(model, nnx.Module):
         graphdef, params, rest = _split(model)
         apply = apply_fn or nnx_apply_fn(graphdef)
@@ -102,4 +109,16 @@ def model_parts(
         return ModelParts(lambda r: _split(model(r))[1:], params, rest, apply_fn or nnx_apply_fn(graphdef))
     if not jax.tree.leaves(out):
         raise StateError("init_fn(rng) returned no array leaves; expected a params pytree or an nnx.Module")
+    if _is_linen_variables(out):  # model.init(...): "params" plus other collections (batch_stats, ...)
+        rest = {k: v for k, v in out.items() if k != "params"} or None
+        return ModelParts(lambda r: _split_variables(model(r)), out["params"], rest, apply_fn)
     return ModelParts(lambda r: (model(r), None), out, None, apply_fn)
+
+
+def _is_linen_variables(tree: Any) -> bool:
+    return isinstance(tree, Mapping) and "params" in tree and all(isinstance(v, Mapping) for v in tree.values())
+
+
+def _split_variables(variables: Mapping) -> tuple[Any, Any]:
+    """linen variables as (params, the other collections or None)."""
+    return variables["params"], ({k: v for k, v in variables.items() if k != "params"} or None)

@@ -23,7 +23,6 @@ import jax
 
 from openhosti_jax.checkpoint import CheckpointManager
 from openhosti_jax.state.init import abstract_train_state
-from openhosti_jax.state.train_state import TrainState
 
 
 def _data_state(data_iter: Any) -> dict[str, Any] | None:
@@ -60,29 +59,29 @@ class TrainerCheckpoint:
         if threading.current_thread() is threading.main_thread():
             self.manager.save_on_signal()
 
-    def restore_latest(self, state: TrainState, data_iter: Any) -> TrainState:
+    def restore_latest(self, state: Any, data_iter: Any) -> Any:
         """The latest good step restored onto ``state``'s shardings (and the iterator moved), else ``state``."""
         if self.manager.latest_good_step() is None:
             return state
         restored, data_state, _ = self.manager.restore(abstract_train_state(state))
         if data_state is not None and callable(getattr(data_iter, "set_state", None)):
             data_iter.set_state(data_state)
-        self.resumed_from = int(restored.step)
+        self.resumed_from = self.manager.restored_step
         return restored
 
-    def _save(self, step: int, state: TrainState, data_iter: Any, force: bool) -> bool:
+    def _save(self, step: int, state: Any, data_iter: Any, force: bool) -> bool:
         t0 = time.perf_counter()
         saved = self.manager.maybe_save(step, state, data_state=_data_state(data_iter), meta=self.meta, force=force)
         if saved:
             self.save_times.append((step, time.perf_counter() - t0))
         return saved
 
-    def maybe_save(self, step: int, state: TrainState, data_iter: Any) -> bool:
+    def maybe_save(self, step: int, state: Any, data_iter: Any) -> bool:
         """Save if due; return True when the run must stop (a SIGTERM-forced save has committed)."""
         self._save(step, state, data_iter, force=False)
         return self.manager.preempted
 
-    def finish(self, step: int, state: TrainState, data_iter: Any) -> None:
+    def finish(self, step: int, state: Any, data_iter: Any) -> None:
         """Save the final step (unless already saved), wait for every save to commit, release the manager."""
         try:
             if step > 0 and jax.tree.leaves(state):

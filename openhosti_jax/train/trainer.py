@@ -28,7 +28,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from openhosti_jax.errors import StateError
-from openhosti_jax.state.train_state import TrainState
+from openhosti_jax.state.layout import step_of
 from openhosti_jax.train.metrics import MetricsLog, to_python
 
 
@@ -36,7 +36,7 @@ from openhosti_jax.train.metrics import MetricsLog, to_python
 class FitResult:
     """What `Trainer.fit` returns."""
 
-    state: TrainState
+    state: Any
     """The final state (after the last completed step)."""
     history: list[dict[str, Any]]
     """One metrics record per completed step."""
@@ -61,7 +61,7 @@ class Trainer:
 
     def __init__(
         self,
-        step: Callable[[TrainState, Any], tuple[TrainState, Any]],
+        step: Callable[[Any, Any], tuple[Any, Any]],
         *,
         metrics_path: str | os.PathLike | None = None,
         progress: bool = True,
@@ -100,12 +100,16 @@ class Trainer:
         parts.append(self._describe())
         return " ".join(p for p in parts if p)
 
-    def fit(self, state: TrainState, data: Iterable[Any], num_steps: int) -> FitResult:
-        """Train until ``state.step == num_steps`` (a resumed state continues), or the data ends, or Ctrl-C."""
+    def fit(self, state: Any, data: Iterable[Any], num_steps: int) -> FitResult:
+        """Train until ``num_steps`` optimizer steps are done (a resumed state continues from its count), or the data
+        ends, or Ctrl-C. ``state`` is any pytree the step takes; its step count is its ``step`` field or optax's
+        ``count`` (`openhosti_jax.state.layout.step_of`), else the resumed checkpoint's step."""
         data_iter: Iterator[Any] = iter(data)
         if self.checkpoint is not None:
             state = self.checkpoint.restore_latest(state, data_iter)
-        start = int(state.step)
+        counted = step_of(state)
+        start = counted if counted is not None else getattr(self.checkpoint, "resumed_from", None) or 0
+        done = start
         history: list[dict[str, Any]] = []
         interrupted = False
         bar = tqdm(total=num_steps, initial=start, disable=not self.progress, dynamic_ncols=True, unit="step")
@@ -118,6 +122,7 @@ class Trainer:
                 except StopIteration:
                     break
                 state, metrics = self.step(state, batch)
+                done = i + 1
                 metrics = to_python(jax.device_get(metrics))
                 now = time.perf_counter()
                 dt, t_prev = now - t_prev, now
@@ -134,7 +139,7 @@ class Trainer:
                     bar.set_postfix_str(self._postfix(record, dt, tokens))
                 bar.update(1)
                 if self.checkpoint is not None:
-                    stop = self.checkpoint.maybe_save(int(state.step), state, data_iter)
+                    stop = self.checkpoint.maybe_save(done, state, data_iter)
                     if stop:
                         interrupted = True
                         break
@@ -144,5 +149,5 @@ class Trainer:
             bar.close()
             log.close()
             if self.checkpoint is not None:
-                self.checkpoint.finish(int(state.step), state, data_iter)
+                self.checkpoint.finish(done, state, data_iter)
         return FitResult(state, history, interrupted)

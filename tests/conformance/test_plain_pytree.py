@@ -16,16 +16,16 @@ def make_state():
     return params, TX.init(params)
 
 
+def loss(params, batch):
+    logits = jnp.tanh(batch["x"] @ params["w1"]) @ params["w2"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+
 def step(state, batch):
     params, opt_state = state
-
-    def loss_fn(p):
-        logits = jnp.tanh(batch["x"] @ p["w1"]) @ p["w2"]
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-
-    loss, grads = jax.value_and_grad(loss_fn)(params)
+    loss_value, grads = jax.value_and_grad(loss)(params, batch)
     updates, opt_state = TX.update(grads, opt_state, params)
-    return (optax.apply_updates(params, updates), opt_state), {"loss": loss}
+    return (optax.apply_updates(params, updates), opt_state), {"loss": loss_value}
 
 
 def batch():
