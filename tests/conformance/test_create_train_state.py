@@ -9,22 +9,12 @@ import optax
 import pytest
 from _harness import STEPS, TOLERANCE, assert_close_trees, losses_of
 from flax import nnx
+from test_nnx_model import Net
 from test_resume import exact
 
 import openhosti_jax as oh
 
 TX = optax.sgd(0.05, momentum=0.9)
-
-
-class Net(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs):
-        self.l1 = nnx.Linear(16, 512, rngs=rngs)
-        self.bn = nnx.BatchNorm(512, rngs=rngs)
-        self.drop = nnx.Dropout(0.2, rngs=rngs)
-        self.l2 = nnx.Linear(512, 4, rngs=rngs)
-
-    def __call__(self, x):
-        return self.l2(self.drop(nnx.relu(self.bn(self.l1(x)))))
 
 
 def nnx_init(rng):
