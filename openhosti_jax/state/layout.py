@@ -268,7 +268,7 @@ def step_of(state: Any) -> int | None:
         return int(step)
     leaves = [(tuple(p), x) for p, x in jax.tree_util.tree_flatten_with_path(state)[0]]
     for name in ("step", "count"):
-        found = [(len(p), x) for p, x in leaves if p and _key_name(p[-1]) in (name, "value") and _names(p, name)]
+        found = [(len(p), x) for p, x in leaves if p and _names(p, name)]
         if found:
             return int(min(found, key=lambda t: t[0])[1])
     return None
