@@ -19,10 +19,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from openhosti_jax.errors import MemoryBudgetError, PlanningError
-from openhosti_jax.mesh import MeshConfig, build_mesh
+from openhosti_jax.mesh import MeshConfig, budget_from_devices, build_mesh
 from openhosti_jax.microbatch import (
     analytic_peak_bytes,
-    budget_from_devices,
     compile_bound,
     compiled_peak_bytes,
     find_microbatch,
@@ -169,7 +168,8 @@ _AGREE = textwrap.dedent(
     import json, sys
     import jax
     from openhosti_jax.mesh import initialize_distributed
-    from openhosti_jax.microbatch import agree_across_processes, find_microbatch
+    from openhosti_jax.mesh import agree_across_processes
+    from openhosti_jax.microbatch import find_microbatch
     pid = int(sys.argv[2])
     initialize_distributed(sys.argv[1], 2, pid, timeout_s=60)
     budget = 700 if pid == 0 else 350  # the processes disagree locally

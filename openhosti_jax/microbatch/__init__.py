@@ -6,7 +6,6 @@ from openhosti_jax.microbatch.accumulate import (
     microbatch_layout,
     split_microbatches,
 )
-from openhosti_jax.microbatch.budget import agree_across_processes, budget_from_devices
 from openhosti_jax.microbatch.find import MicrobatchChoice, compile_bound, find_microbatch
 from openhosti_jax.microbatch.probe import PeakFn, analytic_peak_bytes, compiled_peak_bytes, peak_bytes
 from openhosti_jax.microbatch.retry import OOMRetryStep, halve_microbatch, is_resource_exhausted
@@ -17,10 +16,8 @@ __all__ = [
     "OOMRetryStep",
     "PeakFn",
     "accumulate_gradients",
-    "agree_across_processes",
     "analytic_peak_bytes",
     "batch_size_of",
-    "budget_from_devices",
     "compile_bound",
     "compiled_peak_bytes",
     "find_microbatch",

@@ -25,7 +25,7 @@ from typing import Any
 import jax
 
 from openhosti_jax.errors import MemoryBudgetError, PlanningError
-from openhosti_jax.microbatch.budget import agree_across_processes, budget_from_devices
+from openhosti_jax.mesh.memory import agree_across_processes, budget_from_devices
 from openhosti_jax.microbatch.probe import PeakFn, peak_bytes
 from openhosti_jax.sizes import divisors
 

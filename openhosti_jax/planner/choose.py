@@ -26,7 +26,9 @@ from openhosti_jax.planner.profiles import DeviceProfile
 from openhosti_jax.planner.refine import MEASURED_TIE, measured_order, time_plans
 from openhosti_jax.planner.search import (
     enumerate_candidates,
+    first_that_compiles_within,
     gradient_bytes,
+    memory_budget_for,
     rank,
     report_for,
     search,
@@ -37,12 +39,9 @@ from openhosti_jax.planner.workload import workload
 from openhosti_jax.sharding.plan import ShardingPlan
 from openhosti_jax.sharding.report import PlanReport
 from openhosti_jax.sharding.rules import DEFAULT_RULES, Rules
-from openhosti_jax.sharding.table import format_bytes
 
 REFINE_TIMING = {"steps": 4, "rounds": 6}
 """Steps per round and alternated rounds `time_plans` runs for each candidate ``refine`` times."""
-VERIFY_TRIES = 3
-"""Candidates compiled at most when the compiled bytes of the first exceed the budget."""
 
 
 def choose_plan(
@@ -78,11 +77,11 @@ def choose_plan(
     devices = list(devices or jax.devices())
     work = workload(init_fn_or_model, sample_batch, apply_fn=apply_fn)
     profile = resolve_profile(devices, device_profile, max_bytes=gradient_bytes(work))
-    budget = memory_budget if memory_budget is not None else profile.memory_bytes
+    budget, source = memory_budget_for(devices, profile, memory_budget)
     scored = search(work, optimizer, enumerate_candidates(len(devices), pipeline=pipeline), profile, rules=rules)
     ranked = rank(scored, budget)
     notes = list(why(ranked, scored, budget))
-    notes.append(f"device profile: {profile.name}")
+    notes.append(f"device profile: {profile.name}; memory budget: {source}")
     if work.apply_fn is None:
         notes.append("no apply function: activations and FLOPs unknown, chosen on state memory and traffic")
     winner, compiled = ranked[0], None
@@ -103,21 +102,12 @@ def choose_plan(
             f"refined: timed the top {len(top)} predicted, picked {by_time[0][1].candidate.label}; measured "
             + ", ".join(f"{s.candidate.label} {t * 1e3:.2f} ms" for t, s in by_time),
         )
-    for tried, scored_plan in enumerate(ranked[:VERIFY_TRIES] if can_compile else []):
-        candidate = scored_plan.plan
-        if candidate.pipeline_stages > 1:
-            notes.append("pipelined winner: not AOT-compiled (the plain step has no stage axis)")
-            break
-        mesh = build_mesh(MeshConfig.from_sizes(dict(candidate.mesh_shape)), devices)
-        compiled = compiled_step_bytes(candidate, work, optimizer, step_fn or default_step, mesh)
-        winner = scored_plan
-        if compiled is None or budget is None or compiled <= budget:
-            if tried:
-                notes.insert(
-                    0,
-                    f"{scored_plan.candidate.label}: the first {tried} by prediction compiled over "
-                    f"the budget {format_bytes(budget)}",
-                )
-            break
-        notes.append(f"{scored_plan.candidate.label} compiled to {format_bytes(compiled)} > budget; trying next")
+    if can_compile:
+
+        def compiled_bytes(candidate: ShardingPlan) -> int | None:
+            mesh = build_mesh(MeshConfig.from_sizes(dict(candidate.mesh_shape)), devices)
+            return compiled_step_bytes(candidate, work, optimizer, step_fn or default_step, mesh)
+
+        winner, compiled, verified = first_that_compiles_within(ranked, compiled_bytes, budget)
+        notes += verified
     return winner.plan, report_for(winner, ranked, notes, work, compiled)

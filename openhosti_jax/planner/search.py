@@ -16,7 +16,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -25,6 +25,7 @@ from jax.sharding import Mesh
 from openhosti_jax.errors import MemoryBudgetError, PlanningError
 from openhosti_jax.mesh.build import mesh_sizes
 from openhosti_jax.mesh.config import AXES
+from openhosti_jax.mesh.memory import device_memory_limit
 from openhosti_jax.planner.calibrate import device_profile
 from openhosti_jax.planner.cost import Estimate, estimate
 from openhosti_jax.planner.profiles import DeviceProfile
@@ -210,6 +211,61 @@ def why(ranked: Sequence[Scored], scored: Sequence[Scored], memory_budget: int |
     return tuple(notes)
 
 
+VERIFY_TRIES = 3
+"""Candidates compiled at most, in ranked order, when the compiled bytes of the first exceed the budget."""
+
+
+def memory_budget_for(
+    devices: Sequence[jax.Device], profile: DeviceProfile, given: int | None
+) -> tuple[int | None, str]:
+    """(per-device budget, where it came from): ``given``, else what the runtime lets a device allocate
+    (``bytes_limit``), else the profile's memory size (a spec sheet), else none (CPU)."""
+    if given is not None:
+        return given, "given"
+    limit = device_memory_limit(devices)
+    if limit is not None:
+        return limit, "the devices' bytes_limit"
+    if profile.memory_bytes is not None:
+        return profile.memory_bytes, f"the {profile.name} spec sheet"
+    return None, "none: the devices report no memory limit"
+
+
+def first_that_compiles_within(
+    ranked: Sequence[Scored], compiled_bytes: Callable[[ShardingPlan], int | None], budget: int | None
+) -> tuple[Scored, int | None, list[str]]:
+    """(the first of ``ranked`` whose AOT-compiled bytes fit ``budget``, its compiled bytes, notes), compiling at
+    most `VERIFY_TRIES`. A pipelined candidate is taken on its prediction (the plain step has no stage axis).
+
+    Raises `MemoryBudgetError` naming the smallest compiled size when every one tried compiles over the budget:
+    a plan is never returned that the compiler says does not fit.
+    """
+    notes: list[str] = []
+    over: list[tuple[int, Scored]] = []
+    for tried, s in enumerate(ranked[:VERIFY_TRIES]):
+        if s.plan.pipeline_stages > 1:
+            notes.append(f"{s.candidate.label}: pipelined, not AOT-compiled (the plain step has no stage axis)")
+            return s, None, notes
+        compiled = compiled_bytes(s.plan)
+        if compiled is None or budget is None or compiled <= budget:
+            if tried:
+                notes.insert(
+                    0,
+                    f"{s.candidate.label}: the first {tried} by prediction compiled over the budget "
+                    f"{format_bytes(budget)}",
+                )
+            return s, compiled, notes
+        over.append((compiled, s))
+        notes.append(f"{s.candidate.label} compiled to {format_bytes(compiled)} > budget; trying next")
+    smallest, best = min(over, key=lambda t: t[0])
+    raise MemoryBudgetError(
+        f"no sharding compiles within the memory budget of {format_bytes(budget)} ({budget} bytes) per device: the "
+        f"{len(over)} best by prediction compiled to "
+        + ", ".join(f"{s.candidate.label} {format_bytes(c)}" for c, s in over)
+        + f"; the smallest is {smallest} bytes with {best.candidate.label}. Raise the budget, use more devices, or "
+        "shrink the batch/microbatch"
+    )
+
+
 def report_for(
     winner: Scored, ranked: Sequence[Scored], notes: Sequence[str], work: Workload, compiled_bytes: int | None = None
 ) -> PlanReport:
@@ -257,13 +313,17 @@ def plan_on_mesh(
         work = measure_step(step_fn, state, batch, abstract_params, layout)
     else:
         work = measure(abstract_params, model_state, apply_fn if sample_batch is not None else None, batch)
-    profile = device_profile(list(mesh.devices.flat), device_profile_, max_bytes=gradient_bytes(work))
-    budget = memory_budget if memory_budget is not None else profile.memory_bytes
+    devices = list(mesh.devices.flat)
+    profile = device_profile(devices, device_profile_, max_bytes=gradient_bytes(work))
+    budget, source = memory_budget_for(devices, profile, memory_budget)
     stages = [0] if dp == 1 else [0, 1, 2, 3]
     scored = search(work, tx, [Candidate(sizes, z) for z in stages], profile, rules=rules)
     ranked = rank(scored, budget)
-    winner = ranked[0]
-    compiled = None
+    notes = [*why(ranked, scored, budget), f"memory budget: {source}"]
+    winner, compiled = ranked[0], None
     if verify and step_fn is not None and sample_batch is not None:
-        compiled = compiled_step_bytes(winner.plan, work, tx, step_fn, mesh)
-    return winner.plan, report_for(winner, ranked, why(ranked, scored, budget), work, compiled)
+        winner, compiled, verified = first_that_compiles_within(
+            ranked, lambda p: compiled_step_bytes(p, work, tx, step_fn, mesh), budget
+        )
+        notes += verified
+    return winner.plan, report_for(winner, ranked, notes, work, compiled)

@@ -1,9 +1,9 @@
-"""Per-device memory budget, and making every process use process 0's answer.
+"""The memory a device really has, and making every process use process 0's answer.
 
 Example:
-    >>> from openhosti_jax.microbatch import agree_across_processes, budget_from_devices
-    >>> budget_from_devices() > 0
-    True
+    >>> from openhosti_jax.mesh.memory import agree_across_processes, budget_from_devices, device_memory_limit
+    >>> budget_from_devices() > 0, device_memory_limit() is None  # CPU reports no limit: it shares host RAM
+    (True, True)
     >>> agree_across_processes((3, 2**40))  # one process: unchanged
     (3, 1099511627776)
 """
@@ -26,22 +26,27 @@ def _host_ram_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def budget_from_devices(devices: Sequence[jax.Device] | None = None) -> int:
-    """Bytes one device may use: the smallest ``memory_stats()["bytes_limit"]`` over ``devices``.
-
-    Backends without memory stats (CPU) share the host's RAM, so the budget is host RAM / local device count.
-    """
-    devices = list(devices) if devices is not None else jax.local_devices()
+def device_memory_limit(devices: Sequence[jax.Device] | None = None) -> int | None:
+    """The smallest ``memory_stats()["bytes_limit"]`` over ``devices`` (default: the local ones): what the runtime
+    lets one device allocate, below the spec sheet's size; None where the backend reports none (CPU)."""
     limits = []
-    for d in devices:
+    for d in list(devices) if devices is not None else jax.local_devices():
         try:
             stats = d.memory_stats()
         except (NotImplementedError, RuntimeError):
             stats = None
         if stats and stats.get("bytes_limit"):
             limits.append(int(stats["bytes_limit"]))
-    if limits:
-        return min(limits)
+    return min(limits) if limits else None
+
+
+def budget_from_devices(devices: Sequence[jax.Device] | None = None) -> int:
+    """Bytes one device may use: `device_memory_limit`, or, on backends without memory stats (CPU, whose
+    devices share the host's RAM), host RAM / local device count."""
+    devices = list(devices) if devices is not None else jax.local_devices()
+    limit = device_memory_limit(devices)
+    if limit is not None:
+        return limit
     host = _host_ram_bytes()
     if host <= 0:
         raise MemoryBudgetError(
