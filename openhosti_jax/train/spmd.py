@@ -99,11 +99,11 @@ class SpmdStep:
         self._retry = None
         self._agreed = False
 
-    def _auto_plan_kw(self, state: Any, batch: Any) -> dict[str, Any]:
+    def _auto_plan_kw(self, state: Any, shapes: Any, batch: Any) -> dict[str, Any]:
         """What ``plan="auto"`` gives the planner from the first call: the real batch shapes, this step (to price
         from its jaxpr where no apply function takes the batch, and to AOT-compile the winner) with its abstract
-        state, and the model's apply function if it takes the batch as given (keyword arguments given to `spmd`
-        take precedence)."""
+        state (``shapes``), and the model's apply function if it takes the batch as given (keyword arguments given
+        to `spmd` take precedence)."""
         rows = jax.process_count()
 
         def global_leaf(x: Any) -> jax.ShapeDtypeStruct:
@@ -113,13 +113,12 @@ class SpmdStep:
             return jax.ShapeDtypeStruct(shape, jax.numpy.result_type(x))
 
         sample = jax.tree.map(global_leaf, batch)
-        kw: dict[str, Any] = {"sample_batch": sample, "step_fn": self.fn, "state": abstract(state)}
-        kw["layout"] = self.layout
-        apply_fn = getattr(state, "apply_fn", None) if isinstance(state, TrainState) else None
-        model_state = abstract(state.model_state) if apply_fn is not None and state.model_state is not None else None
+        kw: dict[str, Any] = {"sample_batch": sample, "step_fn": self.fn, "state": shapes, "layout": self.layout}
+        apply_fn = state.apply_fn if isinstance(state, TrainState) else None
+        model_state = shapes.model_state if apply_fn is not None else None
         if apply_fn is not None:
             try:  # activations and FLOPs come from apply_fn(params, batch): only if it takes the batch as given
-                jax.eval_shape(lambda p, b: apply_fn(p, b, model_state=model_state), abstract(state.params), sample)
+                jax.eval_shape(lambda p, b: apply_fn(p, b, model_state=model_state), shapes.params, sample)
                 kw.update(apply_fn=apply_fn, model_state=model_state)
             except Exception:  # noqa: BLE001 - e.g. a dict batch the model does not take: said in the report
                 pass
@@ -132,8 +131,8 @@ class SpmdStep:
             self.mesh = build_mesh()
         if self.plan is None or self.report is None:
             strategy = self.plan or self._strategy or "fsdp"
-            kw = self._auto_plan_kw(state, batch) if strategy == "auto" and batch is not None else self._plan_kw
             shapes = abstract(state)
+            kw = self._auto_plan_kw(state, shapes, batch) if strategy == "auto" and batch is not None else self._plan_kw
             params = self.layout.params(shapes)
             self.plan, self.report = resolve_plan(
                 strategy, params, _optimizer(state, shapes, self.layout), self.mesh, **kw

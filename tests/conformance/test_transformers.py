@@ -24,6 +24,11 @@ def fresh(tree):
     return jax.tree.map(jnp.array, tree)
 
 
+def keyed_state(model):
+    """A fresh `State` (a dropout key beside the parameters) for a transformers model, trained with Adam."""
+    return State.create(apply_fn=model.__call__, params=fresh(model.params), tx=optax.adam(1e-3), key=jax.random.key(1))
+
+
 def tokens(shape, vocab, seed=0):
     return np.random.default_rng(seed).integers(1, vocab, shape).astype(np.int32)
 
@@ -41,9 +46,7 @@ def bert():
     model = transformers.FlaxBertForSequenceClassification(config, seed=0)
 
     def make():
-        return State.create(
-            apply_fn=model.__call__, params=fresh(model.params), tx=optax.adam(1e-3), key=jax.random.key(1)
-        )
+        return keyed_state(model)
 
     def step(state, batch):
         key = jax.random.fold_in(state.key, state.step)
@@ -73,9 +76,7 @@ def t5():
     model = transformers.FlaxT5ForConditionalGeneration(config, seed=0)
 
     def make():
-        return State.create(
-            apply_fn=model.__call__, params=fresh(model.params), tx=optax.adam(1e-3), key=jax.random.key(1)
-        )
+        return keyed_state(model)
 
     def step(state, batch):
         key = jax.random.fold_in(state.key, state.step)
