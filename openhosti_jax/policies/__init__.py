@@ -1,0 +1,1 @@
+"""Policies applied across a training step: rematerialisation and mixed precision."""
