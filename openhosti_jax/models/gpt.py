@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 from openhosti_jax.errors import StateError
+from openhosti_jax.sharding.rules import LAYER_AXIS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +43,9 @@ class GPTConfig:
     """Dropout rate on attention output and MLP output (needs an ``rng`` at call time when > 0)."""
     dtype: str = "float32"
     """Compute dtype (parameters stay float32)."""
+    scan_layers: bool = False
+    """Stack the blocks' parameters over a leading ``"layers"`` axis and run them with ``nnx.scan``: one compiled
+    block, and under ZeRO-3 one layer's parameters gathered at a time (as MaxText's ``scan_layers``)."""
 
     def __post_init__(self) -> None:
         problems = [
@@ -81,18 +85,26 @@ class GPTConfig:
         return 3 * (self.n_layers * per_layer + 2 * d * self.vocab_size)
 
 
+def _unnamed(rank: int, scanned: bool) -> dict[str, Any]:
+    """Variable metadata with ``rank`` unnamed dims when the block is stacked (``nnx.vmap`` prepends
+    ``"layers"``), else none."""
+    return {"out_sharding": (None,) * rank, "eager_sharding": False} if scanned else {}
+
+
 class Block(nnx.Module):
     """Pre-norm attention + MLP block."""
 
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
-        d, dt = cfg.d_model, jnp.dtype(cfg.dtype)
+        d, dt, s = cfg.d_model, jnp.dtype(cfg.dtype), cfg.scan_layers
+        norm = {"scale_metadata": _unnamed(1, s), "bias_metadata": _unnamed(1, s)}
+        dense = {"kernel_metadata": _unnamed(2, s), "bias_metadata": _unnamed(1, s)}
         self.cfg = cfg
-        self.ln1 = nnx.LayerNorm(d, rngs=rngs, dtype=dt)
-        self.qkv = nnx.Linear(d, 3 * d, use_bias=False, rngs=rngs, dtype=dt)  # a key bias has zero gradient
-        self.proj = nnx.Linear(d, d, rngs=rngs, dtype=dt)
-        self.ln2 = nnx.LayerNorm(d, rngs=rngs, dtype=dt)
-        self.fc = nnx.Linear(d, cfg.mlp_ratio * d, rngs=rngs, dtype=dt)
-        self.out = nnx.Linear(cfg.mlp_ratio * d, d, rngs=rngs, dtype=dt)
+        self.ln1 = nnx.LayerNorm(d, rngs=rngs, dtype=dt, **norm)
+        self.qkv = nnx.Linear(d, 3 * d, use_bias=False, rngs=rngs, dtype=dt, **dense)  # a key bias: zero gradient
+        self.proj = nnx.Linear(d, d, rngs=rngs, dtype=dt, **dense)
+        self.ln2 = nnx.LayerNorm(d, rngs=rngs, dtype=dt, **norm)
+        self.fc = nnx.Linear(d, cfg.mlp_ratio * d, rngs=rngs, dtype=dt, **dense)
+        self.out = nnx.Linear(cfg.mlp_ratio * d, d, rngs=rngs, dtype=dt, **dense)
 
     def _drop(self, x: jax.Array, rng: jax.Array | None) -> jax.Array:
         if rng is None or self.cfg.dropout == 0.0:
@@ -114,24 +126,57 @@ class Block(nnx.Module):
         return x + self._drop(self.out(jax.nn.gelu(self.fc(self.ln2(x)))), r2)
 
 
+def stacked_blocks(cfg: GPTConfig, rngs: nnx.Rngs) -> Block:
+    """One `Block` whose parameters are stacked over a leading ``"layers"`` axis of size ``cfg.n_layers``."""
+
+    @nnx.split_rngs(splits=cfg.n_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYER_AXIS})
+    def make(r: nnx.Rngs) -> Block:
+        return Block(cfg, rngs=r)
+
+    return make(rngs)
+
+
+@nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: LAYER_AXIS})
+def _scan_blocks(x: jax.Array, block: Block) -> jax.Array:
+    return block(x)
+
+
+@nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: LAYER_AXIS})
+def _scan_blocks_rng(x: jax.Array, block: Block, rng: jax.Array) -> jax.Array:
+    return block(x, rng)
+
+
 class GPT(nnx.Module):
-    """Token + position embeddings, ``n_layers`` blocks, final norm, untied output head."""
+    """Token + position embeddings, ``n_layers`` blocks (a list, or one stacked block with ``scan_layers``), final
+    norm, untied output head."""
 
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
         dt = jnp.dtype(cfg.dtype)
         self.cfg = cfg
         self.wte = nnx.Embed(cfg.vocab_size, cfg.d_model, rngs=rngs, dtype=dt)
         self.wpe = nnx.Embed(cfg.seq_len, cfg.d_model, rngs=rngs, dtype=dt)
-        self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
+        if cfg.scan_layers:
+            self.blocks: Block | nnx.List = stacked_blocks(cfg, rngs)
+        else:
+            self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
         self.ln_f = nnx.LayerNorm(cfg.d_model, rngs=rngs, dtype=dt)
         self.head = nnx.Linear(cfg.d_model, cfg.vocab_size, rngs=rngs, dtype=dt)
 
     def __call__(self, tokens: jax.Array, rng: jax.Array | None = None) -> jax.Array:
         s = tokens.shape[1]
         x = self.wte(tokens) + self.wpe(jnp.arange(s))[None]
-        rngs = jax.random.split(rng, len(self.blocks)) if rng is not None else [None] * len(self.blocks)
-        for block, r in zip(self.blocks, rngs, strict=True):
-            x = block(x, r)
+        n = self.cfg.n_layers
+        if self.cfg.scan_layers:
+            x = (
+                _scan_blocks(x, self.blocks)
+                if rng is None
+                else _scan_blocks_rng(x, self.blocks, jax.random.split(rng, n))
+            )
+        else:
+            rngs = jax.random.split(rng, n) if rng is not None else [None] * n
+            for block, r in zip(self.blocks, rngs, strict=True):
+                x = block(x, r)
         return self.head(self.ln_f(x)).astype(jnp.float32)
 
 

@@ -41,6 +41,10 @@ DEFAULT_RULES: tuple[tuple[str, str | None], ...] = (
 )
 """Tensor-parallel rules: hidden and head dims on ``tensor``; ZeRO adds ``data``/``fsdp`` on top per stage."""
 
+LAYER_AXIS = "layers"
+"""The logical name of a stacked (scanned) layer dimension, as MaxText and the flax examples name it: never sharded
+by a rule or by ZeRO (a scan slices it one layer per iteration)."""
+
 _METADATA_KEYS = ("out_sharding", "sharding", "sharding_names")
 
 

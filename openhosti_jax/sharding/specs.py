@@ -41,10 +41,12 @@ def auto_spec(
     *,
     min_elements: int = DEFAULT_MIN_ELEMENTS,
     taken: Sequence[str | tuple[str, ...] | None] | None = None,
+    frozen: Sequence[int] = (),
 ) -> P:
     """Shard the largest dimension of ``shape`` divisible by the product of ``axes`` (those of size > 1).
 
-    ``taken`` is an existing spec (e.g. from tensor-parallel rules) whose dims are kept and not reused.
+    ``taken`` is an existing spec (e.g. from tensor-parallel rules) whose dims are kept and not reused; ``frozen``
+    dims are never sharded (a stacked layer axis, sliced one layer per scan iteration).
     """
     axes = tuple(a for a in axes if sizes.get(a, 1) > 1)
     base: list[Any] = list(taken) + [None] * (len(shape) - len(taken)) if taken else [None] * len(shape)
@@ -56,7 +58,7 @@ def auto_spec(
     if n == 1:
         return P(*base)
     best = None
-    for d in sorted(range(len(shape)), key=lambda d: (-shape[d], d)):
+    for d in sorted((d for d in range(len(shape)) if d not in frozen), key=lambda d: (-shape[d], d)):
         local = shape[d] // _axes_size(_entry_axes(base[d]), sizes)
         if shape[d] % _axes_size(_entry_axes(base[d]), sizes) == 0 and local % n == 0:
             best = d

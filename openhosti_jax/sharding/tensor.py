@@ -23,7 +23,7 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec as P
 
-from openhosti_jax.sharding.rules import DEFAULT_RULES, Rules, logical_names, logical_spec, validate_rules
+from openhosti_jax.sharding.rules import DEFAULT_RULES, LAYER_AXIS, Rules, logical_names, logical_spec, validate_rules
 
 COLUMN = (
     "qkv",
@@ -92,7 +92,11 @@ def base_specs(
     out = []
     for (path, leaf), names in zip(flat, annotated, strict=True):
         shape = tuple(leaf.shape)
-        if names is None and tensor_parallel and sizes.get("tensor", 1) > 1:
-            names = tensor_names(jax.tree_util.keystr(path), shape)
+        if tensor_parallel and sizes.get("tensor", 1) > 1:
+            if names is None:
+                names = tensor_names(jax.tree_util.keystr(path), shape)
+            elif names[0] == LAYER_AXIS and not any(names[1:]):  # a stacked layer: name the layer's own dims
+                inner = tensor_names(jax.tree_util.keystr(path), shape[1:])
+                names = (LAYER_AXIS, *inner) if inner else names
         out.append(logical_spec(names, shape, sizes, rules) if names else P(*([None] * len(shape))))
     return out

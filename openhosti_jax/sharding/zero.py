@@ -25,6 +25,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from openhosti_jax.errors import PlanningError
+from openhosti_jax.sharding.rules import LAYER_AXIS, logical_names
 from openhosti_jax.sharding.specs import DEFAULT_MIN_ELEMENTS, auto_spec, is_spec
 
 ZERO_AXES: tuple[str, ...] = ("data", "fsdp")
@@ -101,10 +102,22 @@ def zero_specs(
         raise PlanningError(f"ZeRO stage must be 0, 1, 2 or 3, found {stage!r}")
     if base_specs is None:
         base_specs = jax.tree.map(lambda leaf: P(*([None] * len(leaf.shape))), params)
-    sharded = jax.tree.map(
-        lambda leaf, base: auto_spec(leaf.shape, sizes, axes, min_elements=min_elements, taken=tuple(base)),
-        params,
-        base_specs,
+    leaves, treedef = jax.tree.flatten(params)
+    bases = jax.tree.leaves(base_specs, is_leaf=is_spec)
+    names = logical_names(params)
+    sharded = jax.tree.unflatten(
+        treedef,
+        [
+            auto_spec(
+                leaf.shape,
+                sizes,
+                axes,
+                min_elements=min_elements,
+                taken=tuple(base),
+                frozen=tuple(d for d, n in enumerate(name or ()) if n == LAYER_AXIS),
+            )
+            for leaf, base, name in zip(leaves, bases, names, strict=True)
+        ],
     )
     param_specs = sharded if stage >= 3 else base_specs
     grad_specs = sharded if stage >= 2 else base_specs
