@@ -22,7 +22,8 @@ import optax
 from jax.sharding import NamedSharding
 
 from openhosti_jax.microbatch.accumulate import accumulate_gradients
-from openhosti_jax.state.context import current_microbatches
+from openhosti_jax.policies.optimizers import find_loss_scale
+from openhosti_jax.state.context import current_microbatches, mark_loss_scaled
 from openhosti_jax.state.contracts import LossFn, StepFn
 
 
@@ -43,14 +44,29 @@ def make_train_step(
     passes ``rng=None`` to ``loss_fn``). The step is not jitted: wrap it in ``jax.jit`` (donating the state)
     or ``@spmd``.
     Metrics: ``loss`` (mean over real samples), ``num_real``, ``grad_norm`` and ``aux`` with ``has_aux``.
+
+    When the optimizer scales the loss (`openhosti_jax.policies.optimizers.dynamic_loss_scale`, the ``fp16``
+    precision), the loss is multiplied by the current scale before differentiation, the optimizer unscales the
+    gradients and skips a step whose gradients are not finite, and the metrics add ``loss_scale`` and
+    ``skipped_steps`` (the running count); ``loss`` and ``grad_norm`` are reported unscaled.
     """
 
     def train_step(state: Any, batch: Any) -> tuple[Any, dict[str, Any]]:
         rng = None
         if hasattr(state, "next_rng"):
             state, rng = state.next_rng()
+        scaling = find_loss_scale(getattr(state, "opt_state", None))
+        scale = None if scaling is None else scaling.scale
+        objective = loss_fn
+        if scale is not None:
+            mark_loss_scaled()
+
+            def objective(p: Any, mb: Any, r: Any) -> Any:
+                loss_sum, rest = loss_fn(p, mb, r)
+                return loss_sum * scale, rest
+
         _, grads, metrics = accumulate_gradients(
-            loss_fn,
+            objective,
             state.params,
             batch,
             current_microbatches() if num_microbatches is None else num_microbatches,
@@ -61,6 +77,10 @@ def make_train_step(
             mask_key=mask_key,
         )
         metrics = dict(metrics, grad_norm=optax.tree.norm(grads))
-        return state.apply_gradients(grads=grads), metrics
+        if scale is None:
+            return state.apply_gradients(grads=grads), metrics
+        metrics.update(loss=metrics["loss"] / scale, grad_norm=metrics["grad_norm"] / scale, loss_scale=scale)
+        new_state = state.apply_gradients(grads=grads)
+        return new_state, dict(metrics, skipped_steps=find_loss_scale(new_state.opt_state).skipped)
 
     return train_step

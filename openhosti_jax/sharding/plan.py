@@ -28,6 +28,8 @@ from jax.sharding import PartitionSpec as P
 from openhosti_jax.errors import ShardingError
 from openhosti_jax.mesh.build import mesh_sizes
 from openhosti_jax.mesh.config import AXES, BATCH_AXES
+from openhosti_jax.policies.precision import precision as resolve_precision
+from openhosti_jax.policies.remat import check_remat
 from openhosti_jax.sharding.specs import DEFAULT_MIN_ELEMENTS, is_spec, spec_axes, validate_specs
 from openhosti_jax.sharding.table import format_bytes, leaf_rows, spec_str, unsharded_leaves
 from openhosti_jax.sharding.zero import ZERO_AXES, Optimizer, zero_specs
@@ -53,8 +55,14 @@ class ShardingPlan:
     """Gradient-accumulation steps per global batch."""
     pipeline_stages: int = 1
     """Pipeline stages (the ``stage`` axis size)."""
+    remat: str = "none"
+    """Rematerialisation policy of the model's repeated blocks (`openhosti_jax.policies.remat`)."""
+    precision: str = "fp32"
+    """Mixed-precision policy name (`openhosti_jax.policies.precision.PRECISIONS`)."""
 
     def __post_init__(self) -> None:
+        check_remat(self.remat)
+        resolve_precision(self.precision)
         unknown = set(self.mesh_shape) - set(AXES)
         if unknown:
             raise ShardingError(f"mesh_shape names unknown axes {sorted(unknown)}; expected names from {AXES}")
@@ -116,6 +124,8 @@ class ShardingPlan:
         """A short digest of the placement decisions; processes compare it before the first step."""
         specs = jax.tree.leaves((self.param_specs, self.grad_specs, self.opt_specs), is_leaf=is_spec)
         text = repr((dict(self.mesh_shape), self.zero_stage, self.batch_spec, self.num_microbatches, specs))
+        if (self.remat, self.precision) != ("none", "fp32"):
+            text += repr((self.remat, self.precision))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def table(self, params: Any | None = None) -> str:
@@ -130,6 +140,8 @@ class ShardingPlan:
             f"  batch spec      {spec_str(self.batch_spec)}  (split {self.data_parallel_size} ways)",
             f"  microbatches    {self.num_microbatches}",
             f"  pipeline stages {self.pipeline_stages}",
+            f"  remat           {self.remat}",
+            f"  precision       {self.precision}",
             f"  sharded leaves  {sum(1 for s in specs if spec_axes(s))}/{len(specs)}",
             "  parameter specs (largest first):" if params is not None else "  parameter specs:",
             *leaf_rows(self.param_specs, params),

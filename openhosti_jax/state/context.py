@@ -67,3 +67,39 @@ def current_microbatches(default: int = 1) -> int:
         return default
     value.read = True
     return value.count
+
+
+class ActivePolicies:
+    """The remat and precision policies a traced step runs under, and whether a model call applied them."""
+
+    def __init__(self, remat: str, precision: str):
+        self.remat = remat
+        self.precision = precision
+        self.applied = False
+        self.loss_scaled = False
+
+
+@contextlib.contextmanager
+def active_policies(remat: str = "none", precision: str = "fp32") -> Iterator[ActivePolicies]:
+    """Within the block, the library's model apply functions (`openhosti_jax.state.model`) run under the remat
+    policy ``remat`` and the precision ``precision`` (names from `openhosti_jax.policies`); the yielded
+    `ActivePolicies` records whether one of them was called."""
+    policies = ActivePolicies(remat, precision)
+    with _setting("policies", policies):
+        yield policies
+
+
+def current_policies() -> ActivePolicies | None:
+    """The policies set by the enclosing step (None outside one); reading them marks them applied."""
+    value = getattr(_local, "policies", None)
+    if value is not None:
+        value.applied = True
+    return value
+
+
+def mark_loss_scaled() -> None:
+    """Record that the traced step multiplied its loss by the loss scale in its optimizer state (what a ``fp16``
+    plan needs; `openhosti_jax.make_train_step` does it)."""
+    value = getattr(_local, "policies", None)
+    if value is not None:
+        value.loss_scaled = True

@@ -27,6 +27,8 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, SingleDeviceSharding
 
+from openhosti_jax.policies.optimizers import optimizer_for
+from openhosti_jax.policies.precision import precision
 from openhosti_jax.sharding.plan import ShardingPlan
 from openhosti_jax.state.layout import StateLayout, find_layout
 from openhosti_jax.state.model import ModelParts
@@ -62,13 +64,19 @@ def init_state(
 ) -> TrainState:
     """The `TrainState` of ``parts`` and ``tx`` computed in ``plan``'s shardings on ``mesh``.
 
-    ``key`` (default ``jax.random.key(0)``) is split into the init key and the state's ``rng``.
+    ``key`` (default ``jax.random.key(0)``) is split into the init key and the state's ``rng``. The parameters are
+    stored in the plan's precision (``bf16_params``: bfloat16, with ``tx`` keeping an fp32 master copy;
+    ``fp16``: ``tx`` scales the loss, `openhosti_jax.policies.optimizers.optimizer_for`).
     """
     init_key, state_key = jax.random.split(jax.random.key(0) if key is None else key)
+    tx = optimizer_for(tx, plan.precision)
+    mp = precision(plan.precision)
 
     def build(k_init: jax.Array, k_state: jax.Array) -> TrainState:
         params, rest = parts.init(k_init)
-        return TrainState.create(apply_fn=parts.apply_fn, params=params, tx=tx, rng=k_state, model_state=rest)
+        stored = mp.cast_to_param(params)
+        state = TrainState.create(apply_fn=parts.apply_fn, params=stored, tx=tx, rng=k_state, model_state=rest)
+        return state.replace(opt_state=tx.init(params)) if mp.master_weights else state  # an exact fp32 master
 
     with jax.set_mesh(mesh):
         shapes = jax.eval_shape(build, init_key, state_key)

@@ -25,8 +25,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from openhosti_jax.errors import StateError
+from openhosti_jax.policies.precision import precision
 from openhosti_jax.sharding.plan import ShardingPlan
-from openhosti_jax.state.context import active_gradient_shardings, active_microbatches
+from openhosti_jax.state.context import active_gradient_shardings, active_microbatches, active_policies
 from openhosti_jax.state.contracts import StepFn
 from openhosti_jax.state.init import state_specs
 from openhosti_jax.state.layout import StateLayout
@@ -52,8 +53,27 @@ def jit_step(
     batch_sh = plan.batch_shardings(mesh, batch)
 
     def traced(s: Any, b: Any) -> tuple[Any, Any]:
-        with active_gradient_shardings(grad_sh), active_microbatches(k) as count:
+        with (
+            active_gradient_shardings(grad_sh),
+            active_microbatches(k) as count,
+            active_policies(plan.remat, plan.precision) as policies,
+        ):
             out = fn(s, b)
+        if precision(plan.precision).loss_scaling and not policies.loss_scaled:
+            raise StateError(
+                f"the plan's precision {plan.precision!r} scales the loss dynamically, but the step never multiplied "
+                "its loss by the scale, so its gradients would be divided by it; build the step with "
+                "openhosti_jax.make_train_step(loss_fn), or multiply the loss by "
+                "openhosti_jax.policies.optimizers.scale_loss(loss, state.opt_state) and call "
+                "openhosti_jax.state.context.mark_loss_scaled()"
+            )
+        if (plan.remat, plan.precision) != ("none", "fp32") and not policies.applied:
+            raise StateError(
+                f"the plan runs remat={plan.remat!r} precision={plan.precision!r}, which apply where the step calls "
+                "the model through the apply function the library built (state.apply_fn from create_train_state, "
+                "or openhosti_jax.state.model.model_parts), but this step never called one; call state.apply_fn in "
+                "the step, or use a plan with remat='none' and precision='fp32'"
+            )
         if k > 1 and not count.read:
             raise StateError(
                 f"the step runs {k} microbatches but never asks for them, so it would train on the whole batch at "

@@ -29,6 +29,10 @@ from flax import linen, nnx
 from jax.sharding import Mesh
 
 from openhosti_jax.errors import StateError
+from openhosti_jax.policies.precision import Precision, precision
+from openhosti_jax.policies.remat import checkpoint
+from openhosti_jax.state.blocks import linen_block_paths, remat_linen, remat_nnx
+from openhosti_jax.state.context import current_policies
 from openhosti_jax.state.contracts import ApplyFn
 
 
@@ -41,13 +45,54 @@ def nnx_apply_fn(graphdef: Any) -> ApplyFn:
     """``apply_fn(params, *args, model_state=None, mutable=False, **kw)`` calling the nnx module merged from
     ``graphdef``. With ``mutable=True`` it returns ``(outputs, new_model_state)``: what the call changed (BatchNorm
     statistics in training mode, Dropout's RNG counts), for the step to keep with ``state.replace(model_state=...)``.
-    The module is rebuilt with fresh variables on every call, so a call inside ``jax.grad`` may update them."""
+    The module is rebuilt with fresh variables on every call, so a call inside ``jax.grad`` may update them.
+
+    Inside a step that sets policies (`openhosti_jax.state.context.active_policies`), the repeated blocks run under
+    the remat policy (the whole call when there are none) and every submodule's ``dtype`` is the compute dtype."""
 
     def apply(params: Any, *args: Any, model_state: Any = None, mutable: bool = False, **kwargs: Any) -> Any:
-        states = (params,) if model_state is None else (params, model_state)
+        policies = current_policies()
+        mp = precision(policies.precision if policies else "fp32")
+        states = (mp.cast_to_compute(params),) if model_state is None else (mp.cast_to_compute(params), model_state)
         module = nnx.merge(graphdef, *states, copy=True)
-        out = module(*args, **kwargs)
+        call = module.__call__
+        if policies is not None:
+            _set_compute_dtype(module, mp)
+            if remat_nnx(module, policies.remat) == 0:
+                call = checkpoint(module.__call__, policies.remat)
+            args, kwargs = mp.cast_to_compute((args, kwargs))
+        out = mp.cast_output(call(*args, **kwargs))
         return (out, _split(module)[2]) if mutable else out
+
+    return apply
+
+
+def _set_compute_dtype(module: nnx.Module, mp: Precision) -> None:
+    """Give every submodule with a floating ``dtype`` attribute the compute dtype (fp32 leaves them as they are)."""
+    if mp.compute_dtype == np.float32:
+        return
+    for _, sub in nnx.iter_modules(module):
+        dtype = getattr(sub, "dtype", None)
+        if dtype is None or np.issubdtype(np.dtype(dtype), np.floating):
+            object.__setattr__(sub, "dtype", mp.compute_dtype)
+
+
+def policy_apply_fn(apply_fn: ApplyFn, block_paths: set[tuple[str, ...]] | None = None) -> ApplyFn:
+    """``apply_fn`` honouring the active policies: parameters and floating inputs cast to the compute dtype, outputs
+    to the output dtype, and the remat policy on the linen modules at ``block_paths`` (a linen model) or on the whole
+    call (any other function)."""
+
+    def apply(params: Any, *args: Any, **kwargs: Any) -> Any:
+        policies = current_policies()
+        if policies is None:
+            return apply_fn(params, *args, **kwargs)
+        mp = precision(policies.precision)
+        params, args = mp.cast_to_compute((params, args))
+        kwargs = {k: v if k == "model_state" else mp.cast_to_compute(v) for k, v in kwargs.items()}
+        if block_paths:
+            with remat_linen(block_paths, policies.remat):
+                return mp.cast_output(apply_fn(params, *args, **kwargs))
+        return mp.cast_output(checkpoint(apply_fn, policies.remat)(params, *args, **kwargs))
 
     return apply
 
@@ -96,23 +141,26 @@ def model_parts(
         init = lambda r: _split_variables(model.init(r, sample_batch))
         found = lambda p, *a, model_state=None, **kw: model.apply({"params": p, **(model_state or {})}, *a, **kw)
         params, rest = _eval_shape(init, key, mesh)
-        return ModelParts(init, params, rest, apply_fn or found)
+        return ModelParts(init, params, rest, policy_apply_fn(apply_fn or found, linen_block_paths(params)))
     if isinstance(model, nnx.Module):
         graphdef, params, rest = _split(model)
-        apply = apply_fn or nnx_apply_fn(graphdef)
+        apply = policy_apply_fn(apply_fn) if apply_fn else nnx_apply_fn(graphdef)
         return ModelParts(lambda _: (params, rest), abstract(params), abstract(rest), apply)
     if not callable(model):
         raise StateError(f"expected an nnx.Module, a linen Module or an init_fn(rng), found {type(model).__name__}")
     out = _eval_shape(model, key, mesh)
     if isinstance(out, nnx.Module):
         graphdef, params, rest = _split(out)
-        return ModelParts(lambda r: _split(model(r))[1:], params, rest, apply_fn or nnx_apply_fn(graphdef))
+        apply = policy_apply_fn(apply_fn) if apply_fn else nnx_apply_fn(graphdef)
+        return ModelParts(lambda r: _split(model(r))[1:], params, rest, apply)
     if not jax.tree.leaves(out):
         raise StateError("init_fn(rng) returned no array leaves; expected a params pytree or an nnx.Module")
     if _is_linen_variables(out):  # model.init(...): "params" plus other collections (batch_stats, ...)
         rest = {k: v for k, v in out.items() if k != "params"} or None
-        return ModelParts(lambda r: _split_variables(model(r)), out["params"], rest, apply_fn)
-    return ModelParts(lambda r: (model(r), None), out, None, apply_fn)
+        paths = linen_block_paths(out["params"])
+        apply = policy_apply_fn(apply_fn, paths) if apply_fn is not None else None
+        return ModelParts(lambda r: _split_variables(model(r)), out["params"], rest, apply)
+    return ModelParts(lambda r: (model(r), None), out, None, policy_apply_fn(apply_fn) if apply_fn else None)
 
 
 def _is_linen_variables(tree: Any) -> bool:

@@ -28,6 +28,7 @@ from jax.sharding import Mesh
 from openhosti_jax.errors import StateError
 from openhosti_jax.mesh.build import mesh_sizes
 from openhosti_jax.planner.search import plan_on_mesh
+from openhosti_jax.policies.optimizers import optimizer_for
 from openhosti_jax.sharding.plan import ShardingPlan
 from openhosti_jax.sharding.report import PlanReport
 from openhosti_jax.sharding.zero import Optimizer
@@ -58,6 +59,7 @@ def resolve_plan(
             f"unknown sharding strategy {strategy!r}; expected 'dp', 'zero1', 'zero2', 'fsdp', 'auto', "
             "0-3 or a ShardingPlan"
         )
+    tx = optimizer_for(tx, plan_kw.get("precision", "fp32")) if isinstance(tx, optax.GradientTransformation) else tx
     plan = ShardingPlan.from_zero(abstract_params, tx, mesh_sizes(mesh), stage, **plan_kw)
     return plan, PlanReport(plan, abstract_params, notes=(f"strategy {strategy!r}: ZeRO stage {stage}",))
 
