@@ -29,12 +29,14 @@ from openhosti_jax.planner.search import (
     first_that_compiles_within,
     gradient_bytes,
     memory_budget_for,
+    precision_options,
     rank,
+    remat_options,
     report_for,
     search,
     why,
 )
-from openhosti_jax.planner.verify import compiled_step_bytes, default_step
+from openhosti_jax.planner.verify import compiled_step_bytes, default_step, step_accumulates
 from openhosti_jax.planner.workload import workload
 from openhosti_jax.sharding.plan import ShardingPlan
 from openhosti_jax.sharding.report import PlanReport
@@ -58,6 +60,8 @@ def choose_plan(
     rules: Rules = DEFAULT_RULES,
     apply_fn: Callable | None = None,
     refine: int = 0,
+    remat: str | Sequence[str] = "auto",
+    precision: str | Sequence[str] = "fp32",
 ) -> tuple[ShardingPlan, PlanReport]:
     """(plan, report): the best `ShardingPlan` for training ``init_fn_or_model`` with ``optimizer`` on ``devices``.
 
@@ -70,6 +74,9 @@ def choose_plan(
     ``refine``: compile and time the ``refine`` best predicted candidates for a few real steps and pick the
     fastest measured unless it beats the predicted winner by less than `refine.MEASURED_TIE`
     (`refine.time_plans`; needs ``verify``; the timings are listed in the report's notes).
+    ``remat``: the remat policies the search may use when a plan would not fit without one (``"auto"``: every
+    one the devices run; they change no result beyond rounding). ``precision``: the precisions it may use
+    (``"fp32"`` by default, ``"auto"`` or names from `openhosti_jax.policies.precision.PRECISIONS`).
     Raises `MemoryBudgetError` when nothing fits, naming the smallest achievable memory.
     """
     if not isinstance(refine, int) or refine < 0:
@@ -78,7 +85,17 @@ def choose_plan(
     work = workload(init_fn_or_model, sample_batch, apply_fn=apply_fn)
     profile = resolve_profile(devices, device_profile, max_bytes=gradient_bytes(work))
     budget, source = memory_budget_for(devices, profile, memory_budget)
-    scored = search(work, optimizer, enumerate_candidates(len(devices), pipeline=pipeline), profile, rules=rules)
+    candidates = enumerate_candidates(len(devices), pipeline=pipeline, precisions=precision_options(precision))
+    scored = search(
+        work,
+        optimizer,
+        candidates,
+        profile,
+        rules=rules,
+        memory_budget=budget,
+        remats=remat_options(remat, devices),
+        accumulates=step_fn is not None and step_accumulates(work, optimizer, step_fn),
+    )
     ranked = rank(scored, budget)
     notes = list(why(ranked, scored, budget))
     notes.append(f"device profile: {profile.name}; memory budget: {source}")

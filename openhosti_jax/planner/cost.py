@@ -1,10 +1,12 @@
 """The analytic cost model: per-device memory and per-step time of a `ShardingPlan` for a `Workload`.
 
-Memory (bytes per device): parameters + optimizer state as sharded, the local batch, and the step's temporaries,
+Memory (bytes per device): parameters (in the precision policy's dtype) + optimizer state (with its fp32 master
+copy) as sharded, the local batch, and the step's temporaries,
 the larger of two peaks: the backward's start (every saved activation, the loss's included, the largest
-gradient leaf, and under ZeRO-3 the gathered full copy of each sharded leaf) and the gradient reduction (XLA's
+gradient leaf, and under ZeRO-3 the gathered full copy of each sharded leaf; the activations are those the remat
+and precision policies keep, from a trace under them, over the microbatch count) and the gradient reduction (XLA's
 combiner makes it one collective whose full input and output are both live; a native reduce-scatter's output is
-the sharded gradient). Time (seconds, no overlap assumed): matmul FLOPs / peak,
+the sharded gradient). Time (seconds, no overlap assumed): matmul FLOPs (with the remat policy's recomputation) / peak,
 activation and optimizer-update bytes / memory bandwidth (measured for the step's working set: its predicted
 bytes per device), and every collective priced per leaf by the profile's
 alpha-beta model (all-reduce 2(n-1)/n, all-gather and reduce-scatter (n-1)/n of the bytes over the bandwidth).
@@ -34,9 +36,12 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec as P
 
+from openhosti_jax.errors import PlanningError
 from openhosti_jax.planner.profiles import DeviceProfile, bus_bytes
 from openhosti_jax.planner.workload import Workload
+from openhosti_jax.policies.precision import precision
 from openhosti_jax.sharding.plan import ShardingPlan
+from openhosti_jax.sharding.rules import LAYER_AXIS, logical_names
 from openhosti_jax.sharding.specs import is_spec, local_bytes, spec_axes
 from openhosti_jax.sharding.zero import Optimizer
 from openhosti_jax.sizes import tree_bytes
@@ -49,7 +54,8 @@ class Estimate:
     memory: dict[str, float]
     """Bytes per device by part: state, batch, temporaries, total."""
     time: dict[str, float]
-    """Seconds per step by part: compute, memory, collectives, launch (the program's fixed cost), total."""
+    """Seconds per step by part: compute, memory, offload (remat to host), collectives, launch (the program's fixed
+    cost), total."""
     comm_bytes: float
     """Bytes each device sends per step (bus traffic of every collective)."""
     tensor_cuts: int = 0
@@ -95,7 +101,15 @@ def estimate(
     ZeRO-sharded ones; they default to the plan's gradient specs (exact for stage 0 and for stage 3).
     """
     sizes = {a: int(n) for a, n in plan.mesh_shape.items()}
-    params = jax.tree.leaves(work.params)
+    mp = precision(plan.precision)
+    params = jax.tree.leaves(mp.cast_to_param(work.params))
+    policy = work.policy_activations(plan.remat, plan.precision)
+    if policy is None:
+        raise PlanningError(
+            f"remat={plan.remat!r} precision={plan.precision!r} cannot be priced: the model's step does not call a "
+            "library apply function, so the policies would not apply; plan with remat='none' and precision='fp32'"
+        )
+    k = plan.num_microbatches
     p_specs, g_specs = _specs(plan.param_specs), _specs(plan.grad_specs)
     base = _specs(base_specs) if base_specs is not None else g_specs
     sharded = _specs(sharded_specs) if sharded_specs is not None else g_specs
@@ -110,9 +124,17 @@ def estimate(
     grad_full = [local_bytes(x, bs, sizes) for x, bs in zip(params, base, strict=True)]
     grads_full = sum(grad_full)
     # ZeRO-3 gathers a full copy of each sharded leaf for its use (the local shard stays in the arguments)
-    gathered = sum(g for g, ps, bs in zip(grad_full, p_specs, base, strict=True) if spec_axes(ps) != spec_axes(bs))
+    # (a leaf stacked over a scanned "layers" axis is gathered a layer at a time, the next one prefetched)
+    gathered = sum(
+        g * (min(2 / x.shape[0], 1.0) if names and names[0] == LAYER_AXIS else 1.0)
+        for g, ps, bs, x, names in zip(grad_full, p_specs, base, params, logical_names(work.params), strict=True)
+        if spec_axes(ps) != spec_axes(bs)
+    )
     act_per_example, split_share, reshard, cuts = work.tensor_split(tuple(_tensor_dim(bs) for bs in base), t)
-    act = act_per_example * b_local
+    if work.activation_bytes_per_example:  # the policy's share of the (tensor-split) activations
+        act_per_example *= policy.bytes_per_example / work.activation_bytes_per_example
+    act = act_per_example * b_local / k
+    accumulator = sum(local_bytes(x, s, sizes) for x, s in zip(params, g_specs, strict=True)) if k > 1 else 0.0
     batch = tree_bytes(work.batch) / dp
     state = (param_local + opt_local) / stages
     # Two peaks: the backward's start (every residual, the gathered parameters and the first, largest gradient
@@ -123,7 +145,11 @@ def estimate(
         reduction = grads_full + sum(local_bytes(x, s, sizes) for x, s in zip(params, g_specs, strict=True))
     else:  # all-reduced (on CPU also under ZeRO-2/3: an all-reduce and a slice)
         reduction = 2 * grads_full
-    temp = max(act + gathered + max(grad_full, default=0), reduction) / stages
+    # a compute dtype other than the parameters' makes a cast copy of the (local) parameters for the step
+    cast = (
+        param_local * mp.compute_dtype.itemsize / mp.param_dtype.itemsize if mp.compute_dtype != mp.param_dtype else 0.0
+    )
+    temp = (max(act + gathered + max(grad_full, default=0), reduction) + accumulator + cast) / stages
     memory = {"state": state, "batch": batch, "temporaries": temp, "total": state + batch + temp}
 
     comm_s, comm_b = 0.0, 0.0
@@ -162,15 +188,18 @@ def estimate(
         # values whose split the ops cannot carry are gathered forward and reduce-scattered backward
         coll("all_gather", reshard * b_local, t)
         coll("reduce_scatter", reshard * b_local, t)
-    flops = work.flops_per_example * b_local * (1 - split_share + split_share / t)
+    flops = work.flops_per_example * b_local * (1 - split_share + split_share / t) * policy.flops_factor
     mem_bytes = 2 * act + 2 * upd_param + upd_param + 2 * opt_local
     compute = flops / profile.peak_flops
+    offload = 2 * policy.host_bytes_per_example * b_local / profile.host_bandwidth  # out to the host and back
     bandwidth = profile.memory_seconds(mem_bytes, memory["total"])  # a small step streams from the caches
     bubble = 1.0 + (stages - 1) / max(plan.num_microbatches, stages) if stages > 1 else 1.0
-    total = (compute + bandwidth) / stages * bubble + comm_s + profile.launch_seconds
+    # each further microbatch is one more trip through the accumulation loop (a launch's fixed cost)
+    total = (compute + bandwidth + offload) / stages * bubble + comm_s + profile.launch_seconds * k
     time = {
         "compute": compute,
         "memory": bandwidth,
+        "offload": offload,
         "collectives": comm_s,
         "launch": profile.launch_seconds,
         "total": total,

@@ -57,6 +57,10 @@ class DeviceProfile:
     native_reduce_scatter: bool = True
     """Whether a sharded gradient is reduce-scattered in place. XLA's CPU backend lowers GSPMD's reduce-scatter
     as a full all-reduce and a slice, so the full gradient is live twice (its input and output), as under ZeRO-0."""
+    host_bandwidth: float = 32e9
+    """Bytes/s between device and host memory one way, what remat ``"offload"`` moves its saved activations over
+    (default: PCIe Gen4 x16). The H100 and H200 profiles take PCIe Gen5's 55 GB/s: an H200 step that offloaded
+    6.4 GB of activations measured 0.22 s slower than keeping them (``benchmarks/gpu_memory.py``), 58 GB/s."""
 
     def __post_init__(self) -> None:
         problems = [
@@ -141,8 +145,8 @@ def _uniform(name: str, flops: float, mem_bw: float, link_bw: float, latency: fl
 GiB = 2**30
 PROFILES: dict[str, DeviceProfile] = {
     # bf16 dense peak, HBM bandwidth, NVLink / ICI bandwidth per device, from the vendors' spec sheets.
-    "H100": _uniform("H100", 989e12, 3.35e12, 450e9, 10e-6, 80 * GiB),
-    "H200": _uniform("H200", 989e12, 4.8e12, 450e9, 10e-6, 141 * GiB),
+    "H100": dataclasses.replace(_uniform("H100", 989e12, 3.35e12, 450e9, 10e-6, 80 * GiB), host_bandwidth=55e9),
+    "H200": dataclasses.replace(_uniform("H200", 989e12, 4.8e12, 450e9, 10e-6, 141 * GiB), host_bandwidth=55e9),
     "TPU v4": _uniform("TPU v4", 275e12, 1.2e12, 270e9, 10e-6, 32 * GiB),
     "TPU v5e": _uniform("TPU v5e", 197e12, 0.82e12, 200e9, 10e-6, 16 * GiB),
     "TPU v5p": _uniform("TPU v5p", 459e12, 2.76e12, 600e9, 10e-6, 95 * GiB),

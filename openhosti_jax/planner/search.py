@@ -4,8 +4,10 @@ Candidates factor the device count over ``data`` / ``fsdp`` / ``tensor`` (and ``
 stage 0 uses ``data`` only; stages 1-3 shard over ``fsdp`` and replicate over ``data`` (hybrid sharding when both
 are > 1), so every candidate is a distinct placement. The winner is the fastest predicted candidate whose
 predicted memory fits the budget; candidates within 1% of it count as ties (closer than the model can rank),
-broken by the lower ZeRO stage, then the smaller tensor axis, then the smaller predicted memory (headroom for a
-larger microbatch), then the predicted time. The rest follow by predicted time.
+broken by the lighter remat policy, the fewer microbatches, the lower ZeRO stage, then the smaller tensor axis,
+then the smaller predicted memory (headroom for a larger microbatch), then the predicted time. The rest follow by
+predicted time. A candidate over the budget is scored again with each remat policy and microbatch count the
+model and step can run (`policy_variants`), and each precision the user allows is its own candidate.
 
 Example:
     >>> from openhosti_jax.planner.search import enumerate_candidates
@@ -29,8 +31,11 @@ from openhosti_jax.mesh.memory import device_memory_limit
 from openhosti_jax.planner.calibrate import device_profile
 from openhosti_jax.planner.cost import Estimate, estimate
 from openhosti_jax.planner.profiles import DeviceProfile
-from openhosti_jax.planner.verify import compiled_step_bytes
+from openhosti_jax.planner.verify import compiled_step_bytes, step_accumulates
 from openhosti_jax.planner.workload import Workload, measure, measure_step
+from openhosti_jax.policies.optimizers import optimizer_for
+from openhosti_jax.policies.precision import PRECISIONS
+from openhosti_jax.policies.remat import REMAT_POLICIES, available_remat, check_remat
 from openhosti_jax.sharding.plan import ShardingPlan
 from openhosti_jax.sharding.report import CandidateRow, PlanReport
 from openhosti_jax.sharding.rules import DEFAULT_RULES, Rules
@@ -57,12 +62,21 @@ class Candidate:
     """0-3."""
     zero_axes: tuple[str, ...] = ZERO_AXES
     """Axes ZeRO shards state over."""
+    remat: str = "none"
+    """Remat policy of the model's repeated blocks."""
+    precision: str = "fp32"
+    """Mixed-precision policy."""
+    microbatches: int = 1
+    """Gradient-accumulation steps."""
 
     @property
     def label(self) -> str:
-        """e.g. ``"data=2 fsdp=4 zero3"``."""
+        """e.g. ``"data=2 fsdp=4 zero3"``, then the policies that are not the default (``"remat=full"``)."""
         axes = " ".join(f"{a}={n}" for a, n in self.mesh_shape.items() if n > 1) or "1 device"
-        return f"{axes} zero{self.zero_stage}"
+        extra = [f"remat={self.remat}"] if self.remat != "none" else []
+        extra += [self.precision] if self.precision != "fp32" else []
+        extra += [f"microbatches={self.microbatches}"] if self.microbatches > 1 else []
+        return " ".join([f"{axes} zero{self.zero_stage}", *extra])
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -79,8 +93,10 @@ class Scored:
         return CandidateRow(self.candidate.label, e.seconds, e.bytes, e.comm_bytes)
 
 
-def enumerate_candidates(n_devices: int, *, pipeline: bool = False, tensor: bool = True) -> list[Candidate]:
-    """Every distinct (mesh shape, ZeRO stage) for ``n_devices``."""
+def enumerate_candidates(
+    n_devices: int, *, pipeline: bool = False, tensor: bool = True, precisions: Sequence[str] = ("fp32",)
+) -> list[Candidate]:
+    """Every distinct (mesh shape, ZeRO stage) for ``n_devices``, once per precision of ``precisions``."""
     out = []
     for s in divisors(n_devices) if pipeline else [1]:
         for t in divisors(n_devices // s) if tensor else [1]:
@@ -89,7 +105,7 @@ def enumerate_candidates(n_devices: int, *, pipeline: bool = False, tensor: bool
                 shape = {"stage": s, "data": rest // f, "fsdp": f, "tensor": t}
                 stages = [0] if f == 1 else [1, 2, 3]
                 axes = ("fsdp",) if rest // f > 1 else ZERO_AXES
-                out += [Candidate(shape, z, axes) for z in stages]
+                out += [Candidate(shape, z, axes, precision=p) for p in precisions for z in stages]
     return out
 
 
@@ -108,6 +124,7 @@ def score(
     sizes = candidate.mesh_shape
     treedef = jax.tree.structure(work.params)
     base = jax.tree.unflatten(treedef, base_specs(work.params, sizes, rules))
+    tx = optimizer_for(tx, candidate.precision)
     plan = ShardingPlan.from_zero(
         work.params,
         tx,
@@ -117,6 +134,9 @@ def score(
         min_elements=min_elements,
         zero_axes=candidate.zero_axes,
         pipeline_stages=sizes["stage"],
+        remat=candidate.remat,
+        precision=candidate.precision,
+        num_microbatches=candidate.microbatches,
     )
     if plan.zero_stage == 3:
         sharded = plan.param_specs
@@ -139,19 +159,44 @@ def gradient_bytes(work: Workload) -> int:
     return tree_bytes(work.params)
 
 
+def policy_variants(candidate: Candidate, work: Workload, remats: Sequence[str], accumulates: bool) -> list[Candidate]:
+    """``candidate`` with each remat policy in ``remats`` that the model applies and, when the step accumulates
+    gradients, each power-of-two microbatch count that divides the per-device batch; the plain one excluded."""
+    dp = candidate.mesh_shape["data"] * candidate.mesh_shape["fsdp"]
+    local = work.global_batch // dp
+    counts = [k for k in (2**i for i in range(local.bit_length())) if local % k == 0] if accumulates else [1]
+    out = []
+    for k in counts:
+        for r in remats:
+            if (r, k) == (candidate.remat, candidate.microbatches):
+                continue
+            if work.policy_activations(r, candidate.precision) is not None:
+                out.append(dataclasses.replace(candidate, remat=r, microbatches=k))
+    return out
+
+
 def search(
     work: Workload,
     tx: Optimizer,
     candidates: Sequence[Candidate],
     profile: DeviceProfile,
+    *,
+    memory_budget: int | None = None,
+    remats: Sequence[str] = ("none",),
+    accumulates: bool = False,
     **kw: Any,
 ) -> list[Scored]:
     """Score every candidate whose data-parallel size divides the batch and whose tensor axis, if any, is used
-    and divides what it splits (as Megatron needs the heads divisible by the tensor-parallel size)."""
-    out, sharded = [], {}
+    and divides what it splits (as Megatron needs the heads divisible by the tensor-parallel size). A candidate
+    predicted over ``memory_budget`` is also scored with each remat policy of ``remats`` and microbatch count
+    (`policy_variants`): they only save memory (each costs recomputation or a loop trip), so a plan that fits
+    without them is never slower with them."""
+    found: list[tuple[int, int, Scored]] = []
+    sharded: dict[Any, Any] = {}
+    position = {id(c): i for i, c in enumerate(candidates)}
     for c in sorted(candidates, key=lambda c: -c.zero_stage):  # stage 3 first: its specs serve 1 and 2
         dp = c.mesh_shape["data"] * c.mesh_shape["fsdp"]
-        if work.global_batch % dp:
+        if work.global_batch % dp or work.policy_activations(c.remat, c.precision) is None:
             continue
         group = (tuple(c.mesh_shape.items()), c.zero_axes)
         s = score(work, tx, c, profile, sharded_specs=sharded.get(group), **kw)
@@ -159,9 +204,14 @@ def search(
             sharded[group] = s.plan.param_specs
         if c.mesh_shape["tensor"] > 1 and (not _uses_tensor(s) or s.estimate.tensor_cuts):
             continue
-        out.append(s)
-    order = {id(c): i for i, c in enumerate(candidates)}
-    out.sort(key=lambda s: order[id(s.candidate)])
+        found.append((position[id(c)], 0, s))
+        if memory_budget is not None and s.estimate.bytes > memory_budget:
+            variants = policy_variants(c, work, remats, accumulates)
+            found += [
+                (position[id(c)], i + 1, score(work, tx, v, profile, sharded_specs=sharded.get(group), **kw))
+                for i, v in enumerate(variants)
+            ]
+    out = [s for _, _, s in sorted(found, key=lambda t: t[:2])]
     if not out:
         raise PlanningError(
             f"no candidate mesh divides the global batch {work.global_batch} over its data-parallel axes; "
@@ -171,9 +221,11 @@ def search(
 
 
 def _key(s: Scored, best: float) -> tuple:
+    c = s.candidate
     if s.estimate.seconds > best * (1 + TIE):
-        return (1, 0, 0, 0, s.estimate.seconds)
-    return (0, s.candidate.zero_stage, s.candidate.mesh_shape["tensor"], s.estimate.bytes, s.estimate.seconds)
+        return (1, 0, 0, 0, 0, 0, s.estimate.seconds)
+    remat = REMAT_POLICIES.index(c.remat)
+    return (0, remat, c.microbatches, c.zero_stage, c.mesh_shape["tensor"], s.estimate.bytes, s.estimate.seconds)
 
 
 def rank(scored: Sequence[Scored], memory_budget: int | None) -> list[Scored]:
@@ -206,9 +258,57 @@ def why(ranked: Sequence[Scored], scored: Sequence[Scored], memory_budget: int |
         ratio = nxt.estimate.seconds / max(win.estimate.seconds, 1e-12)
         notes.append(
             f"runner-up {nxt.candidate.label}: {ratio:.2f}x the predicted time"
-            + (" (a tie: lower ZeRO stage, smaller tensor axis, less memory preferred)" if ratio <= 1 + TIE else "")
+            + (
+                " (a tie: lighter remat, fewer microbatches, lower ZeRO stage, smaller tensor axis, less memory "
+                "preferred)"
+                if ratio <= 1 + TIE
+                else ""
+            )
         )
+    c = win.candidate
+    if c.remat != "none" or c.microbatches > 1:
+        plain = next(
+            (s for s in scored if s.candidate == dataclasses.replace(c, remat="none", microbatches=1)),
+            None,
+        )
+        if plain is not None:
+            notes.append(
+                f"remat={c.remat}, {c.microbatches} microbatch(es): without them {plain.candidate.label} needs "
+                f"{format_bytes(plain.estimate.bytes)} > the budget {format_bytes(memory_budget)}; this is the "
+                "fastest predicted way to fit"
+            )
     return tuple(notes)
+
+
+def remat_options(remat: str | Sequence[str], devices: Sequence[jax.Device]) -> tuple[str, ...]:
+    """The remat policies to search: ``"auto"`` is every one ``devices`` can run; a name or a list is taken as
+    given (``"offload"`` where there is no host memory space is a `PlanningError`)."""
+    if remat == "auto":
+        return available_remat(devices)
+    names = (remat,) if isinstance(remat, str) else tuple(remat)
+    for name in names:
+        if check_remat(name) not in available_remat(devices):
+            raise PlanningError(
+                f"remat policy {name!r} is not available on {devices[0].platform} devices: they have no pinned host "
+                "memory space to offload to; use 'dots' or 'full'"
+            )
+    return names
+
+
+def precision_options(precision: str | Sequence[str]) -> tuple[str, ...]:
+    """The precision policies to search: ``"auto"`` is fp32, bf16 and bf16_params (fp16 only when named: it needs
+    a loss-scaling step); a name or a list is taken as given."""
+    names = (
+        ("fp32", "bf16", "bf16_params")
+        if precision == "auto"
+        else (precision,)
+        if isinstance(precision, str)
+        else tuple(precision)
+    )
+    unknown = [n for n in names if n not in PRECISIONS]
+    if unknown:
+        raise PlanningError(f"unknown precision {unknown}; expected 'auto' or names from {tuple(PRECISIONS)}")
+    return names
 
 
 VERIFY_TRIES = 3
@@ -298,8 +398,12 @@ def plan_on_mesh(
     verify: bool = True,
     state: Any = None,
     layout: Any = None,
+    remat: str | Sequence[str] = "auto",
+    precision: str | Sequence[str] = "fp32",
 ) -> tuple[ShardingPlan, PlanReport]:
-    """(plan, report) for the best ZeRO stage (and tensor-parallel specs when ``tensor`` > 1) on ``mesh``.
+    """(plan, report) for the best ZeRO stage (and tensor-parallel specs when ``tensor`` > 1) on ``mesh``, with
+    the remat policy (``"auto"``: any the devices run, used when the plan would not fit otherwise), the precision
+    (``"fp32"`` unless the user allows others: they change results) and the microbatch count the step can take.
 
     Activations and FLOPs come from ``apply_fn`` on ``sample_batch``, or, with no apply function, from the user's
     ``step_fn`` traced on its abstract ``state`` (whose parameters and optimizer state ``layout`` locates); with
@@ -317,7 +421,18 @@ def plan_on_mesh(
     profile = device_profile(devices, device_profile_, max_bytes=gradient_bytes(work))
     budget, source = memory_budget_for(devices, profile, memory_budget)
     stages = [0] if dp == 1 else [0, 1, 2, 3]
-    scored = search(work, tx, [Candidate(sizes, z) for z in stages], profile, rules=rules)
+    candidates = [Candidate(sizes, z, precision=p) for p in precision_options(precision) for z in stages]
+    accumulates = step_fn is not None and sample_batch is not None and step_accumulates(work, tx, step_fn)
+    scored = search(
+        work,
+        tx,
+        candidates,
+        profile,
+        rules=rules,
+        memory_budget=budget,
+        remats=remat_options(remat, devices),
+        accumulates=accumulates,
+    )
     ranked = rank(scored, budget)
     notes = [*why(ranked, scored, budget), f"memory budget: {source}"]
     winner, compiled = ranked[0], None

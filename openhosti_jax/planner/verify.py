@@ -23,23 +23,37 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from openhosti_jax.planner.workload import Workload
+from openhosti_jax.policies.optimizers import optimizer_for
+from openhosti_jax.policies.precision import precision as resolve_precision
 from openhosti_jax.sharding.plan import ShardingPlan
 from openhosti_jax.sharding.zero import Optimizer
+from openhosti_jax.state.context import active_microbatches
 from openhosti_jax.state.contracts import StepFn
 from openhosti_jax.state.jit import jit_step, memory_bytes
 from openhosti_jax.state.train_state import TrainState
 
 
-def abstract_state(work: Workload, tx: Optimizer) -> Any:
-    """The abstract state the step takes: the user's (``work.state``), else a `TrainState` for ``work``."""
+def abstract_state(work: Workload, tx: Optimizer, precision: str = "fp32") -> Any:
+    """The abstract state the step takes: the user's (``work.state``), else a `TrainState` for ``work`` with its
+    parameters in ``precision``'s dtype and ``tx`` keeping what that precision needs (a master copy)."""
     if work.state is not None:
         return work.state
     apply = work.apply_fn
+    tx = optimizer_for(tx, precision)
+    params = resolve_precision(precision).cast_to_param(work.params)
 
     def build(params: Any, key: jax.Array) -> TrainState:
         return TrainState.create(apply_fn=apply, params=params, tx=tx, rng=key, model_state=work.model_state)
 
-    return jax.eval_shape(build, work.params, jax.random.key(0))
+    return jax.eval_shape(build, params, jax.random.key(0))
+
+
+def step_accumulates(work: Workload, tx: Optimizer, step_fn: StepFn) -> bool:
+    """Whether ``step_fn`` reads the microbatch count (`openhosti_jax.make_train_step` does), so a plan may
+    accumulate gradients over microbatches."""
+    with active_microbatches(2) as count:
+        jax.eval_shape(step_fn, abstract_state(work, tx), work.batch)
+    return count.read
 
 
 def default_step(state: TrainState, batch: Any) -> tuple[TrainState, Any]:
@@ -58,7 +72,7 @@ def default_step(state: TrainState, batch: Any) -> tuple[TrainState, Any]:
 
 def lower_step(plan: ShardingPlan, work: Workload, tx: Optimizer, step_fn: StepFn, mesh: Mesh) -> jax.stages.Lowered:
     """The step lowered with the plan's shardings and donation, from abstract state and batch."""
-    state = abstract_state(work, tx)
+    state = abstract_state(work, tx, plan.precision)
     fn, _ = jit_step(step_fn, plan, mesh, state, work.batch, layout=work.layout)
     with jax.set_mesh(mesh):
         return fn.lower(state, work.batch)

@@ -29,8 +29,10 @@ from jax.extend.core import Literal
 from openhosti_jax.errors import BatchError
 from openhosti_jax.flops import count_flops
 from openhosti_jax.planner.propagate import propagate
+from openhosti_jax.policies.remat import RECOMPUTE_FRACTION
 from openhosti_jax.sharding.rules import unbox
 from openhosti_jax.sizes import leaf_bytes
+from openhosti_jax.state.context import active_policies
 from openhosti_jax.state.contracts import ApplyFn
 from openhosti_jax.state.model import abstract, model_parts
 
@@ -72,6 +74,8 @@ class Workload:
     """The abstract state a user's step takes, when the plan is made for that step (else a `TrainState` is built)."""
     layout: Any = None
     """Where ``state`` keeps its parameters and optimizer state (`openhosti_jax.state.layout.StateLayout`)."""
+    step_fn: Any = None
+    """The user's step the workload was measured from (`measure_step`), traced again under each policy."""
     _split_cache: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     def opt_state(self, tx: Any) -> Any:
@@ -83,6 +87,54 @@ class Workload:
         if key not in self._split_cache:
             self._split_cache[key] = (tx, jax.eval_shape(tx.init, self.params))
         return self._split_cache[key][1]
+
+    def policy_activations(self, remat: str, precision: str) -> PolicyActivations | None:
+        """Activation bytes per example at the backward's peak and the FLOPs factor under the remat and precision
+        policies, from a trace under them; None when the model does not apply policies (its step never calls a
+        library apply function), so only ``("none", "fp32")`` can run."""
+        if (remat, precision) == ("none", "fp32"):
+            return PolicyActivations(self.activation_bytes_per_example, 1.0)
+        key = ("policy", remat, precision)
+        if key not in self._split_cache:
+            self._split_cache[key] = self._trace_policies(remat, precision)
+        return self._split_cache[key]
+
+    def _trace_policies(self, remat: str, precision: str) -> PolicyActivations | None:
+        if remat == "offload":  # keeps on the device what "full" keeps, the matmul outputs "dots" saves on the host
+            full, dots = self.policy_activations("full", precision), self.policy_activations("dots", precision)
+            if full is None or dots is None:
+                return None
+            host = max(dots.bytes_per_example - full.bytes_per_example, 0.0)
+            return PolicyActivations(full.bytes_per_example, dots.flops_factor, host)
+        one = _resize(self.batch, 1)
+        if self.step_fn is not None and self.state is not None:
+            with active_policies(remat, precision) as used:
+                jaxprs = [jax.make_jaxpr(self.step_fn)(self.state, _resize(self.batch, k)).jaxpr for k in (1, 2)]
+            if not used.applied:
+                return None
+            flops = count_flops(jaxprs[0], matmul_only=True)
+            base = self.flops_per_example or flops
+            return PolicyActivations(_growth(*jaxprs), flops / base if base else 1.0)
+        if self.apply_fn is None:
+            return None
+        with active_policies(remat, precision) as used:
+            traced = jax.make_jaxpr(_forward_vjp(self.apply_fn, self.model_state))(unbox(self.params), one)
+        if not used.applied:
+            return None
+        n_params = len(jax.tree.leaves(unbox(self.params)))
+        outputs = tuple(v for v in traced.jaxpr.outvars[: len(self.outputs)] if not isinstance(v, Literal))
+        saved = sum(leaf_bytes(v) for v in _saved(_per_example_residuals(traced.jaxpr, n_params), outputs))
+        with active_policies(remat, precision):  # the forward alone still shows the checkpointed calls
+            forward = jax.make_jaxpr(lambda p, x: self.apply_fn(p, x, model_state=self.model_state))(
+                unbox(self.params), one
+            )
+        blocks = remat_blocks(forward.jaxpr)
+        if remat == "none":
+            return PolicyActivations(saved, 1.0)
+        kept = self.policy_activations("none", precision)  # every residual, in this precision
+        # during the backward one block at a time recomputes its residuals (all of them for a whole-model remat)
+        recompute = max((kept.bytes_per_example if kept else saved) - saved, 0.0) / max(blocks, 1)
+        return PolicyActivations(saved + recompute, 1.0 + RECOMPUTE_FRACTION[remat])
 
     def tensor_split(self, param_dims: tuple[int | None, ...], t: int) -> TensorSplit:
         """What splitting parameter leaf ``i`` over a tensor axis of size ``t`` along dim ``param_dims[i]``
@@ -98,6 +150,38 @@ class Workload:
             total = count_flops(self.jaxpr, matmul_only=True)
             self._split_cache[key] = TensorSplit(act, split_flops / total if total else 0.0, reshard, cut)
         return self._split_cache[key]
+
+
+class PolicyActivations(NamedTuple):
+    """What a remat and precision policy does to one example (`Workload.policy_activations`)."""
+
+    bytes_per_example: float
+    """Activation bytes per example at the backward's peak."""
+    flops_factor: float
+    """Step FLOPs over the FLOPs without remat (recomputation)."""
+    host_bytes_per_example: float = 0.0
+    """Activation bytes per example moved to host memory and back (remat ``"offload"``)."""
+
+
+def remat_blocks(jaxpr: Any) -> int:
+    """How many checkpointed calls ``jaxpr`` makes: each ``remat`` equation, times the length of the scans around it."""
+    total = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("remat", "checkpoint", "remat2"):
+            total += 1
+            continue
+        inner = sum(remat_blocks(sub.jaxpr if hasattr(sub, "jaxpr") else sub) for sub in _sub_jaxprs(eqn))
+        total += inner * (eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1)
+    return total
+
+
+def _sub_jaxprs(eqn: Any) -> list[Any]:
+    out = []
+    for value in eqn.params.values():
+        for v in value if isinstance(value, (tuple, list)) else (value,):
+            if hasattr(v, "eqns") or hasattr(v, "jaxpr"):
+                out.append(v)
+    return out
 
 
 class TensorSplit(NamedTuple):
@@ -159,6 +243,14 @@ def _saved(residuals: tuple[Any, ...], outputs: tuple[Any, ...]) -> tuple[Any, .
     return residuals + outputs + outputs
 
 
+def _forward_vjp(apply_fn: ApplyFn, model_state: Any) -> Any:
+    def fwd(p: Any, x: Any) -> Any:
+        out, vjp = jax.vjp(lambda q: apply_fn(q, x, model_state=model_state), p)
+        return out, jax.tree.leaves(vjp)
+
+    return fwd
+
+
 def measure(params: Any, model_state: Any, apply_fn: ApplyFn | None, batch: Any) -> Workload:
     """The `Workload` of abstract ``params`` run by ``apply_fn`` on an abstract global ``batch``.
 
@@ -170,11 +262,7 @@ def measure(params: Any, model_state: Any, apply_fn: ApplyFn | None, batch: Any)
         return Workload(params, model_state, None, batch, n, 0.0, 0.0, 1)
     plain = unbox(params)
 
-    def fwd(p: Any, x: Any) -> Any:
-        out, vjp = jax.vjp(lambda q: apply_fn(q, x, model_state=model_state), p)
-        return out, jax.tree.leaves(vjp)
-
-    one, shapes = jax.make_jaxpr(fwd, return_shape=True)(plain, _resize(batch, 1))
+    one, shapes = jax.make_jaxpr(_forward_vjp(apply_fn, model_state), return_shape=True)(plain, _resize(batch, 1))
     n_params = len(jax.tree.leaves(plain))
     residuals = _per_example_residuals(one.jaxpr, n_params)
     outputs = tuple(v for v in one.jaxpr.outvars[: len(jax.tree.leaves(shapes[0]))] if not isinstance(v, Literal))
@@ -242,15 +330,19 @@ def measure_step(step_fn: Any, state: Any, batch: Any, params: Any, layout: Any 
     n = _batch_size(batch)
     one, two = (jax.make_jaxpr(step_fn)(state, _resize(batch, k)).jaxpr for k in (1, 2))
     flops = count_flops(one, matmul_only=True)
-    live_one, live_two = _live_bytes(one), _live_bytes(two)
-    act = (
-        max((b - a for a, b in zip(live_one, live_two, strict=True)), default=0.0)
-        if len(live_one) == len(live_two)
-        else max(live_two, default=0.0) / 2
-    )
     first = jax.tree.leaves(batch)[0]
     tokens = math.prod(first.shape[1:-1]) if first.ndim >= 3 else 1
-    return Workload(params, None, None, batch, n, flops, act, tokens, state=state, layout=layout)
+    return Workload(
+        params, None, None, batch, n, flops, _growth(one, two), tokens, state=state, layout=layout, step_fn=step_fn
+    )
+
+
+def _growth(one: Any, two: Any) -> float:
+    """The most that one more example adds to the bytes alive at any point, from traces at batch 1 and 2."""
+    live_one, live_two = _live_bytes(one), _live_bytes(two)
+    if len(live_one) == len(live_two):
+        return max((b - a for a, b in zip(live_one, live_two, strict=True)), default=0.0)
+    return max(live_two, default=0.0) / 2
 
 
 def workload(model: Any, sample_batch: Any, *, apply_fn: ApplyFn | None = None) -> Workload:
