@@ -226,3 +226,32 @@ def test_the_planner_picks_remat_only_when_the_plain_plan_does_not_fit():
     assert plan.remat != "none", report.notes
     assert report.compiled_bytes <= budget  # verified by the compiler, not only predicted
     assert any("without them" in n for n in report.notes), report.notes
+
+
+@pytest.mark.timeout(600)
+def test_a_step_that_accumulates_gets_remat_and_microbatches_chosen_together_and_trains_the_same():
+    """With a step that reads the microbatch count, the search under a tight budget may also split the batch; the
+    plan it returns compiles within the budget and trains to the losses of the unconstrained plan."""
+    init, batch = _scanned_gpt()
+    apply = model_parts(init).apply_fn
+
+    def loss_fn(p, tokens, rng):
+        return next_token_loss(apply(p, tokens), tokens)
+
+    step_fn = oh.make_train_step(loss_fn)
+    tx = optax.adam(1e-3)
+    free, free_report = choose_plan(init, tx, batch, step_fn=step_fn, device_profile="H100", memory_budget=2**40)
+    budget = int(free_report.compiled_bytes * 0.6)
+    tight, report = choose_plan(init, tx, batch, step_fn=step_fn, device_profile="H100", memory_budget=budget)
+    assert (tight.remat, tight.num_microbatches) != ("none", 1) and report.compiled_bytes <= budget
+    tokens = jax.random.randint(jax.random.key(3), batch.shape, 0, 256)
+    losses = {}
+    for name, plan in (("free", free), ("tight", tight)):
+        mesh = oh.build_mesh(oh.MeshConfig.from_sizes(dict(plan.mesh_shape)))
+        state, _ = oh.create_train_state(init, tx, mesh, plan=plan)
+        step = oh.spmd(step_fn, mesh=mesh, plan=plan)
+        losses[name] = []
+        for _ in range(2):
+            state, metrics = step(state, tokens)
+            losses[name].append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses["tight"], losses["free"], rtol=1e-5)
