@@ -7,7 +7,7 @@ Example:
 """
 
 from openhosti_jax.pipeline.costs import LayerCost, layer_costs, split_modules
-from openhosti_jax.pipeline.executor import make_pipeline_step, pipeline_value_and_grad
+from openhosti_jax.pipeline.executor import Packing, make_pipeline_step, pipeline_value_and_grad
 from openhosti_jax.pipeline.partition import (
     StageCostModel,
     StagePartition,
@@ -24,27 +24,40 @@ from openhosti_jax.pipeline.schedule import (
     one_f_one_b,
 )
 from openhosti_jax.pipeline.simulate import SimResult, simulate
+from openhosti_jax.pipeline.state import (
+    PipelineState,
+    init_pipeline_state,
+    make_pipeline_train_step,
+    pack_state,
+    unpack_state,
+)
 from openhosti_jax.pipeline.ticks import TickTable, tick_table
 
 __all__ = [
     "Action",
     "LayerCost",
+    "Packing",
+    "PipelineState",
     "Schedule",
     "SimResult",
     "StageCostModel",
     "StagePartition",
     "TickTable",
     "evaluate_partition",
+    "init_pipeline_state",
     "gpipe",
     "interleaved_one_f_one_b",
     "layer_costs",
     "make_pipeline_step",
+    "make_pipeline_train_step",
     "make_schedule",
     "objective_value",
     "one_f_one_b",
+    "pack_state",
     "partition",
     "pipeline_value_and_grad",
     "simulate",
     "split_modules",
     "tick_table",
+    "unpack_state",
 ]

@@ -67,35 +67,81 @@ def _check(layers: Sequence[Layer], mesh: Mesh, partition: StagePartition, sched
         raise PipelineError("pipeline request does not fit: " + "; ".join(problems))
 
 
-def make_pipeline_step(
+class Packing:
+    """How the chunks' parameters map to rows of the padded ``(V, S, N)`` buffer: chunk ``c`` flattened into row
+    ``(c // S, c % S)``, zero-padded to the widest chunk (rounded up to a multiple of ``align``, so an ``fsdp``
+    axis of that size divides it), in one dtype (the parameters' common one)."""
+
+    def __init__(self, params: Sequence[Any], partition: StagePartition, schedule: Schedule, align: int = 1):
+        self.stages = partition.stages
+        self.num_stages, self.num_virtual = schedule.num_stages, schedule.num_virtual
+        chunks = [tuple(params[i] for i in r) for r in self.stages]
+        zeros = [jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), jnp.result_type(x)), c) for c in chunks]
+        flats, self.unravels = zip(*(ravel_pytree(c) for c in zeros), strict=True)
+        self.dtypes = [f.dtype for f in flats]
+        self.widths = [f.size for f in flats]
+        self.width = -(-max(max(self.widths), 1) // align) * align
+        self.dtype = jnp.result_type(*[f.dtype for f in flats if f.size] or [jnp.float32])
+        self.num_layers = len(params)
+
+    def _key(self) -> tuple:
+        stages = tuple((r.start, r.stop) for r in self.stages)
+        return (stages, self.num_virtual, self.width, str(self.dtype), tuple(map(str, self.dtypes)), tuple(self.widths))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Packing) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """``(V, S, N)``."""
+        return (self.num_virtual, self.num_stages, self.width)
+
+    def pack(self, params: Sequence[Any]) -> jax.Array:
+        """The ``(V, S, N)`` buffer holding ``params`` (one pytree per layer)."""
+        rows = []
+        for r in self.stages:
+            flat = ravel_pytree(tuple(params[i] for i in r))[0].astype(self.dtype)
+            rows.append(jnp.pad(flat, (0, self.width - flat.size)))
+        s = self.num_stages
+        return jnp.stack([jnp.stack(rows[v * s : (v + 1) * s]) for v in range(self.num_virtual)])
+
+    def unpack(self, packed: jax.Array) -> list[Any]:
+        """The per-layer pytrees held in a ``(V, S, N)`` buffer (`pack`'s inverse)."""
+        out: list[Any] = [None] * self.num_layers
+        s = self.num_stages
+        for c, r in enumerate(self.stages):
+            chunk = self.unravels[c](packed[c // s, c % s, : self.widths[c]].astype(self.dtypes[c]))
+            for li, leaf in zip(r, chunk, strict=True):
+                out[li] = leaf
+        return out
+
+
+def pipelined_loss_and_grads(
     layers: Sequence[Layer],
     loss_fn: OutputLoss,
     mesh: Mesh,
     partition: StagePartition,
     schedule: Schedule,
-) -> Callable[[Sequence[Any], Batch], tuple[jax.Array, list[Any]]]:
-    """A jitted ``step(params, (inputs, targets)) -> (loss, grads)`` running ``schedule`` over ``mesh``.
-
-    ``params[i]`` is layer ``i``'s pytree; ``loss_fn(outputs, targets)`` is a mean over examples; the loss and
-    the gradients equal those of ``loss_fn(model(inputs), targets)`` on the whole batch.
-    """
+    packing: Packing,
+    layer_shapes: Sequence[Any],
+) -> Callable[[jax.Array, Batch], tuple[jax.Array, jax.Array]]:
+    """``run(packed, (inputs, targets)) -> (loss, packed gradient)``, traceable (the callers jit it): the schedule
+    over ``mesh`` on a ``(V, S, N)`` buffer laid out by ``packing``; ``layer_shapes`` are the layers' abstract
+    parameters (for the activation shapes between chunks)."""
     _check(layers, mesh, partition, schedule)
     sizes = mesh_sizes(mesh)
-    s, v_count, m_count, n_chunks = (
-        schedule.num_stages,
-        schedule.num_virtual,
-        schedule.num_microbatches,
-        schedule.num_chunks,
-    )
+    s, m_count, n_chunks = schedule.num_stages, schedule.num_microbatches, schedule.num_chunks
     batch_axes = tuple(a for a in BATCH_AXES if a in sizes)
     replicas = int(np.prod([sizes[a] for a in batch_axes]))
     ticks = tick_table(schedule)
     table = jnp.asarray(ticks.table)
     chunk_layers = [[layers[i] for i in r] for r in partition.stages]
+    unravels, widths, n_max, p_dtype = packing.unravels, packing.widths, packing.width, packing.dtype
 
-    @jax.jit
-    def step(params: Sequence[Any], batch: Batch) -> tuple[jax.Array, list[Any]]:
-        params = list(params)
+    def run(packed: jax.Array, batch: Batch) -> tuple[jax.Array, jax.Array]:
         inputs, targets = batch
         n_batch = {x.shape[0] for x in jax.tree.leaves(batch)}
         if len(n_batch) != 1 or next(iter(n_batch)) % (replicas * m_count):
@@ -104,20 +150,12 @@ def make_pipeline_step(
                 f"{m_count} microbatches, found leading sizes {sorted(n_batch)}; pad or resize the batch"
             )
         mb = next(iter(n_batch)) // (replicas * m_count)
-        chunk_params = [tuple(params[i] for i in r) for r in partition.stages]
-        flats, unravels = zip(*(ravel_pytree(cp) for cp in chunk_params), strict=True)
-        widths = [f.size for f in flats]
-        n_max = max(max(widths), 1)
-        p_dtype = jnp.result_type(*[f.dtype for f in flats if f.size] or [jnp.float32])
-        rows = [jnp.pad(f.astype(p_dtype), (0, n_max - f.size)) for f in flats]
-        packed = jnp.stack([jnp.stack(rows[v * s : (v + 1) * s]) for v in range(v_count)])
-
         micro = lambda x: jax.ShapeDtypeStruct((mb, *x.shape[1:]), x.dtype)
         h = jax.tree.map(micro, inputs)
         bounds = []  # abstract activation entering chunk c + 1
         for c in range(n_chunks - 1):
             for layer, li in zip(chunk_layers[c], partition.stages[c], strict=True):
-                h = jax.eval_shape(layer, params[li], h)
+                h = jax.eval_shape(layer, layer_shapes[li], h)
             bounds.append(h)
         for c, b in enumerate(bounds):
             if any(not jnp.issubdtype(x.dtype, jnp.floating) for x in jax.tree.leaves(b)):
@@ -127,7 +165,7 @@ def make_pipeline_step(
         a_dtype = jnp.result_type(*[p[0].dtype for p in packers] or [jnp.float32])
 
         def fwd(c: int, row: jax.Array, a_in: jax.Array, x: Any, y: Any) -> tuple[jax.Array, jax.Array]:
-            p = unravels[c](row[: widths[c]])
+            p = unravels[c](row[: widths[c]].astype(packing.dtypes[c]))
             h = x if c == 0 else packers[c - 1][1](a_in[: packers[c - 1][0].size])
             for layer, lp in zip(chunk_layers[c], p, strict=True):
                 h = layer(lp, h)
@@ -191,20 +229,40 @@ def make_pipeline_step(
             return loss, g_acc[:, None]
 
         spec_batch = P(batch_axes or None)
-        run = jax.shard_map(
+        return jax.shard_map(
             body,
             mesh=mesh,
             in_specs=(P(None, "stage", None), spec_batch, spec_batch),
             out_specs=(P(), P(None, "stage", None)),
             check_vma=False,
-        )
-        loss, g_packed = run(packed, inputs, targets)
-        grads: list[Any] = [None] * len(params)
-        for c, r in enumerate(partition.stages):
-            g_chunk = unravels[c](g_packed[c // s, c % s, : widths[c]].astype(flats[c].dtype))
-            for li, g in zip(r, g_chunk, strict=True):
-                grads[li] = g
-        return loss, grads
+        )(packed, inputs, targets)
+
+    return run
+
+
+def make_pipeline_step(
+    layers: Sequence[Layer],
+    loss_fn: OutputLoss,
+    mesh: Mesh,
+    partition: StagePartition,
+    schedule: Schedule,
+) -> Callable[[Sequence[Any], Batch], tuple[jax.Array, list[Any]]]:
+    """A jitted ``step(params, (inputs, targets)) -> (loss, grads)`` running ``schedule`` over ``mesh``.
+
+    ``params[i]`` is layer ``i``'s pytree; ``loss_fn(outputs, targets)`` is a mean over examples; the loss and
+    the gradients equal those of ``loss_fn(model(inputs), targets)`` on the whole batch. The parameters enter
+    whole and are packed per step: `openhosti_jax.pipeline.state` keeps them packed and stage-local instead.
+    """
+    _check(layers, mesh, partition, schedule)
+
+    @jax.jit
+    def step(params: Sequence[Any], batch: Batch) -> tuple[jax.Array, list[Any]]:
+        params = list(params)
+        packing = Packing(params, partition, schedule)
+        shapes = [jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), p) for p in params]
+        run = pipelined_loss_and_grads(layers, loss_fn, mesh, partition, schedule, packing, shapes)
+        loss, g_packed = run(packing.pack(params), batch)
+        return loss, packing.unpack(g_packed)
 
     return step
 

@@ -1,0 +1,189 @@
+"""Stage-local pipeline training: each stage's devices hold only their layers' parameters, gradients and optimizer
+state, and a step runs the schedule and the optimizer in one jitted program.
+
+The parameters live packed, as the executor runs them (`openhosti_jax.pipeline.executor.Packing`): a ``(V, S, N)``
+buffer whose row ``(v, d)`` holds chunk ``v * S + d``, sharded over the mesh's ``stage`` axis, so a device keeps
+``1/S`` of the parameters and, since an elementwise optimizer's state mirrors them, ``1/S`` of its moments. With
+``zero_stage`` >= 1 the optimizer state is further sharded over ``fsdp`` inside a stage (and the parameters too at
+stage 3); the gradient stays stage-sharded. The model's first layers (an embedding) sit on the first stage and its
+last (the head) on the last: nothing is shared between stages.
+
+`unpack_state` gives the per-layer parameters and the optimizer state ``tx.init`` would make for them, to train
+or checkpoint without a pipeline; `pack_state` takes them back onto a pipelined mesh.
+
+Example:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> from openhosti_jax.mesh import MeshConfig, build_mesh
+    >>> from openhosti_jax.pipeline import LayerCost, evaluate_partition, gpipe
+    >>> s = 2 if jax.device_count() % 2 == 0 else 1
+    >>> mesh = build_mesh(MeshConfig(stage=s, data=-1))
+    >>> layers = [lambda p, x: jnp.tanh(x @ p)] * 2
+    >>> cut = evaluate_partition([LayerCost(1, 1, 1, 1, 1, 1)] * 2, (0, 1, 2)[:: 3 - s], 2)
+    >>> state = init_pipeline_state([jnp.eye(3), 2 * jnp.eye(3)], optax.sgd(0.1), mesh, cut, gpipe(s, 2))
+    >>> step = make_pipeline_train_step(layers, lambda y, t: jnp.mean((y - t) ** 2), mesh, cut, gpipe(s, 2), state)
+    >>> state, metrics = step(state, (jnp.ones((16, 3)), jnp.zeros((16, 3))))
+    >>> int(state.step), state.params.shape[1] == s
+    (1, True)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from openhosti_jax.errors import PipelineError
+from openhosti_jax.mesh import mesh_sizes
+from openhosti_jax.pipeline.costs import Layer
+from openhosti_jax.pipeline.executor import Batch, OutputLoss, Packing, pipelined_loss_and_grads
+from openhosti_jax.pipeline.partition import StagePartition
+from openhosti_jax.pipeline.schedule import Schedule
+
+
+class PipelineState(struct.PyTreeNode):
+    """A pipelined train state: the step, the packed parameters and their optimizer state."""
+
+    step: jax.Array
+    params: jax.Array
+    """The ``(V, S, N)`` packed parameters."""
+    opt_state: Any
+    """``tx.init(params)``: moments packed like the parameters."""
+    tx: optax.GradientTransformation = struct.field(pytree_node=False)
+    packing: Packing = struct.field(pytree_node=False)
+    """How the layers' parameters map to the buffer."""
+    layer_shapes: tuple[Any, ...] = struct.field(pytree_node=False)
+    """The layers' abstract parameters."""
+    zero_stage: int = struct.field(pytree_node=False, default=0)
+    """ZeRO inside a stage: 1-2 shard the optimizer state over ``fsdp``, 3 the parameters too."""
+
+
+def _specs(state_like: Any, zero_stage: int, fsdp: int) -> tuple[P, Any]:
+    """(parameter spec, optimizer-state specs): packed leaves over ``stage`` (and ``fsdp`` per the ZeRO stage)."""
+    inner = "fsdp" if fsdp > 1 else None
+    param_spec = P(None, "stage", inner if zero_stage >= 3 else None)
+    packed = P(None, "stage", inner if zero_stage >= 1 else None)
+    shape = state_like.params.shape
+    opt_specs = jax.tree.map(lambda x: packed if jnp.shape(x) == shape else P(), state_like.opt_state)
+    return param_spec, opt_specs
+
+
+def state_shardings(state: PipelineState, mesh: Mesh) -> PipelineState:
+    """The `NamedSharding` of every leaf of ``state`` on ``mesh``."""
+    param_spec, opt_specs = _specs(state, state.zero_stage, mesh_sizes(mesh).get("fsdp", 1))
+    named = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
+    return state.replace(
+        step=named(P()),
+        params=named(param_spec),
+        opt_state=jax.tree.map(named, opt_specs, is_leaf=lambda x: isinstance(x, P)),
+    )
+
+
+def init_pipeline_state(
+    params: Sequence[Any],
+    tx: optax.GradientTransformation,
+    mesh: Mesh,
+    partition: StagePartition,
+    schedule: Schedule,
+    *,
+    zero_stage: int = 0,
+) -> PipelineState:
+    """The `PipelineState` of per-layer ``params`` and ``tx``, placed stage-local on ``mesh``."""
+    if zero_stage not in (0, 1, 2, 3):
+        raise PipelineError(f"zero_stage must be 0-3 (ZeRO inside a stage), found {zero_stage!r}")
+    if partition.num_layers != len(params):
+        raise PipelineError(
+            f"the partition cuts {partition.num_layers} layers but {len(params)} layer parameter trees were given; "
+            "partition the same layer list"
+        )
+    fsdp = mesh_sizes(mesh).get("fsdp", 1)
+    packing = Packing(params, partition, schedule, align=fsdp)
+    shapes = tuple(jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), p) for p in params)
+
+    def build(params: Sequence[Any]) -> PipelineState:
+        packed = packing.pack(list(params))
+        return PipelineState(jnp.zeros((), jnp.int32), packed, tx.init(packed), tx, packing, shapes, zero_stage)
+
+    abstract = jax.eval_shape(build, list(params))
+    return jax.jit(build, out_shardings=state_shardings(abstract, mesh))(list(params))
+
+
+def make_pipeline_train_step(
+    layers: Sequence[Layer],
+    loss_fn: OutputLoss,
+    mesh: Mesh,
+    partition: StagePartition,
+    schedule: Schedule,
+    state: PipelineState,
+    *,
+    donate: bool = True,
+) -> Callable[[PipelineState, Batch], tuple[PipelineState, dict[str, jax.Array]]]:
+    """A jitted ``step(state, (inputs, targets)) -> (state, {"loss", "grad_norm"})``: the schedule's loss and
+    packed gradient, then ``state.tx`` on the packed parameters, everything kept stage-local (``state`` gives the
+    layout and shardings)."""
+    run = pipelined_loss_and_grads(layers, loss_fn, mesh, partition, schedule, state.packing, state.layer_shapes)
+    shardings = state_shardings(state, mesh)
+    grad_sharding = NamedSharding(mesh, P(None, "stage", None))
+
+    def step(state: PipelineState, batch: Batch) -> tuple[PipelineState, dict[str, jax.Array]]:
+        loss, grads = run(state.params, batch)
+        grads = jax.lax.with_sharding_constraint(grads, grad_sharding)
+        updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        new = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+        return new, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+
+    return jax.jit(
+        step,
+        in_shardings=(shardings, None),
+        out_shardings=(shardings, NamedSharding(mesh, P())),
+        donate_argnums=(0,) if donate else (),
+    )
+
+
+def unpack_state(state: PipelineState) -> tuple[list[Any], Any]:
+    """(per-layer parameters, the optimizer state ``state.tx.init`` makes for them) of a pipelined state: what a
+    plain step trains and a checkpoint holds; new arrays, which a later donating step of ``state`` leaves alone."""
+    packing = state.packing
+    shape = state.params.shape
+    opt = jax.tree.map(lambda x: packing.unpack(x) if jnp.shape(x) == shape else jnp.copy(x), state.opt_state)
+    return packing.unpack(state.params), opt
+
+
+def pack_state(
+    params: Sequence[Any],
+    opt_state: Any,
+    tx: optax.GradientTransformation,
+    mesh: Mesh,
+    partition: StagePartition,
+    schedule: Schedule,
+    *,
+    zero_stage: int = 0,
+    step: int | jax.Array = 0,
+) -> PipelineState:
+    """A `PipelineState` holding per-layer ``params`` and their (unpipelined) ``opt_state`` (`unpack_state`'s
+    inverse), placed stage-local on ``mesh``.
+
+    Raises `PipelineError` when the layer count or the optimizer state's structure does not match."""
+    template = init_pipeline_state(params, tx, mesh, partition, schedule, zero_stage=zero_stage)
+    expected = jax.tree.structure(tx.init(list(params)))
+    if jax.tree.structure(opt_state) != expected:
+        raise PipelineError(
+            f"the optimizer state does not match {len(params)} layers under this optimizer: expected the structure "
+            f"of tx.init(params) {expected}, found {jax.tree.structure(opt_state)}; restore it with the same layer "
+            "list and optimizer it was saved with"
+        )
+    layer_def = jax.tree.structure(list(params))
+    is_layers = lambda x: isinstance(x, list) and jax.tree.structure(x) == layer_def  # noqa: E731
+    packing = template.packing
+    packed_opt = jax.tree.map(lambda x: packing.pack(x) if is_layers(x) else jnp.copy(x), opt_state, is_leaf=is_layers)
+    placed = state_shardings(template, mesh)
+    return jax.device_put(
+        template.replace(step=jnp.asarray(step, jnp.int32), opt_state=packed_opt),
+        placed,
+    )
