@@ -13,6 +13,7 @@ from flax import nnx
 import openhosti_jax as oh
 from openhosti_jax.errors import PlanningError, StateError
 from openhosti_jax.models.gpt import GPT, GPTConfig, next_token_loss
+from openhosti_jax.models.llama import Llama, LlamaConfig
 from openhosti_jax.planner import choose_plan
 from openhosti_jax.policies.optimizers import MasterWeightsState
 from openhosti_jax.policies.precision import PRECISIONS, state_bytes_per_param
@@ -43,6 +44,7 @@ def _models():
     return {
         "nnx-list": (lambda r: GPT(GPTConfig.tiny(n_layers=3), rngs=nnx.Rngs(r)), TOKENS),
         "nnx-scan": (lambda r: GPT(GPTConfig.tiny(n_layers=3, scan_layers=True), rngs=nnx.Rngs(r)), TOKENS),
+        "llama-scan": (lambda r: Llama(LlamaConfig.tiny(n_layers=3, scan_layers=True), rngs=nnx.Rngs(r)), TOKENS),
         "linen": (LinenNet(), x),
         "function": (
             lambda r: {"w": jax.random.normal(r, (32, 32)), "v": jax.random.normal(r, (32, 4))},
@@ -74,7 +76,7 @@ def _loss_and_grads(kind, remat, precision="fp32"):
     return float(value), grads, jaxpr
 
 
-@pytest.mark.parametrize("kind", ["nnx-list", "nnx-scan", "linen", "function"])
+@pytest.mark.parametrize("kind", ["nnx-list", "nnx-scan", "llama-scan", "linen", "function"])
 @pytest.mark.parametrize("remat", ["dots", "full"])
 def test_remat_changes_no_result_and_needs_no_model_change(kind, remat):
     ref_loss, ref_grads, ref_jaxpr = _loss_and_grads(kind, "none")
