@@ -1,4 +1,5 @@
-"""Pipeline benchmark: automatic cuts vs equal layer counts, simulated and measured bubble, pipelined vs plain step.
+"""Pipeline benchmark: automatic cuts vs equal layer counts, simulated and measured bubble, pipelined vs plain step,
+and the stage-local train step's compiled memory (state per device, in-flight activations of 1F1B vs GPipe).
 
 Prints one JSON object on its last line with the keys BENCHMARKS.md lists for pipeline.py. Every time is a median
 over alternated repetitions in this process.
@@ -24,6 +25,7 @@ import time  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import optax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -31,8 +33,11 @@ from openhosti_jax.mesh import MeshConfig, build_mesh  # noqa: E402
 from openhosti_jax.pipeline import (  # noqa: E402
     evaluate_partition,
     gpipe,
+    init_pipeline_state,
     layer_costs,
     make_pipeline_step,
+    make_pipeline_train_step,
+    one_f_one_b,
     partition,
     simulate,
 )
@@ -168,7 +173,58 @@ def main() -> None:
         "processes compete, so the measured bubble on CPU swings from run to run (seen 0.01-1.14 x formula); "
         "the simulator gives the figure separate accelerators would show"
     )
+    out.update(stage_local_memory())
     print(json.dumps(out))
+
+
+def stage_local_memory() -> dict:
+    """Compiled memory of the pipelined train step (`make_pipeline_train_step`, Adam) on 8 equal residual MLP
+    layers: the per-device state against the stage-local formula, and the in-flight activations of 1F1B against
+    GPipe's at M = 4S (the temporaries' growth from a 4x smaller batch, which leaves the parameter terms equal)."""
+    d = 512
+    layers = [wide] * 8
+    k = jax.random.split(jax.random.key(3), 16)
+    params = [
+        (jax.random.normal(k[i], (d, d)) / np.sqrt(d), jax.random.normal(k[8 + i], (d, d)) / np.sqrt(d))
+        for i in range(8)
+    ]
+    n_params = sum(x.size for x in jax.tree.leaves(params))
+    tx = optax.adam(1e-3)
+    res: dict = {}
+    ratios = []
+    for axes, zero in (({"data": 2}, 0), ({"fsdp": 2}, 1), ({"fsdp": 2}, 3)):
+        mesh = build_mesh(MeshConfig(stage=S, **axes))
+        sch = gpipe(S, 4 * S)
+        cut = partition(layer_costs(layers, params, jnp.zeros((2, d))), S, 4 * S)
+        state = init_pipeline_state(params, tx, mesh, cut, sch, zero_stage=zero)
+        step = make_pipeline_train_step(layers, mse, mesh, cut, sch, state, donate=False)
+        batch = (jnp.zeros((8 * S, d)), jnp.zeros((8 * S, d)))
+        analysis = step.lower(state, batch).compile().memory_analysis()
+        local_batch = 2 * 8 * S * d * 4 / 2
+        grads = 4 * state.params.size / S  # the packed gradient stays stage-sharded
+        held = analysis.argument_size_in_bytes - local_batch + grads
+        z = axes.get("fsdp", 1)
+        formula = n_params / S * (4 / (z if zero == 3 else 1) + 4 + 8 / (z if zero >= 1 else 1))
+        ratios.append(held / formula)
+    res["stage_state_bytes_over_formula"] = ratios
+    res["stage_state_configs"] = ["stage=4 data=2 zero0", "stage=4 fsdp=2 zero1", "stage=4 fsdp=2 zero3"]
+
+    def activations(schedule_fn) -> float:
+        mesh = build_mesh(MeshConfig(stage=S, data=2))
+        temps = []
+        for rows in (4096, 1024):
+            sch = schedule_fn(S, 4 * S)
+            cut = partition(layer_costs(layers, params, jnp.zeros((2, d))), S, 4 * S)
+            state = init_pipeline_state(params, tx, mesh, cut, sch)
+            step = make_pipeline_train_step(layers, mse, mesh, cut, sch, state, donate=False)
+            batch = (jnp.zeros((rows, d)), jnp.zeros((rows, d)))
+            temps.append(step.lower(state, batch).compile().memory_analysis().temp_size_in_bytes)
+        return (temps[0] - temps[1]) * 4 / 3  # what the activations of the 4096-row batch take
+
+    gp, ofob = activations(gpipe), activations(one_f_one_b)
+    res["one_f_one_b_activation_over_gpipe"] = ofob / gp
+    res["activation_bytes_gpipe_1f1b"] = [gp, ofob]
+    return res
 
 
 if __name__ == "__main__":
