@@ -24,6 +24,7 @@ from openhosti_jax.pipeline.schedule import (
     one_f_one_b,
 )
 from openhosti_jax.pipeline.simulate import SimResult, simulate
+from openhosti_jax.pipeline.split import LayerSequence, split_layers
 from openhosti_jax.pipeline.state import (
     PipelineState,
     init_pipeline_state,
@@ -36,6 +37,7 @@ from openhosti_jax.pipeline.ticks import TickTable, tick_table
 __all__ = [
     "Action",
     "LayerCost",
+    "LayerSequence",
     "Packing",
     "PipelineState",
     "Schedule",
@@ -57,6 +59,7 @@ __all__ = [
     "partition",
     "pipeline_value_and_grad",
     "simulate",
+    "split_layers",
     "split_modules",
     "tick_table",
     "unpack_state",

@@ -145,3 +145,57 @@ def remat_linen(block_paths: set[tuple[str, ...]], name: str) -> Iterator[None]:
 
     with linen.intercept_methods(interceptor):
         yield
+
+
+BLOCK_NAME = "openhosti_block"
+"""The name a marked block call carries in a traced program (`mark_nnx`, `mark_linen`): where a pipeline cuts."""
+
+
+def _named_call(fn: Any) -> Any:
+    """``fn`` jitted under the name `BLOCK_NAME`, so its call is one equation of the enclosing program."""
+
+    def openhosti_block(*args: Any) -> Any:
+        return fn(*args)
+
+    return jax.jit(openhosti_block)
+
+
+@functools.cache
+def _marked_class(cls: type) -> type:
+    base_call = cls.__call__
+
+    def __call__(self: Any, x: Any, *rest: Any, **kwargs: Any) -> Any:
+        graphdef, state = nnx.split(self)
+
+        def run(state: Any, x: Any) -> Any:
+            return base_call(nnx.merge(graphdef, state), x, *rest, **kwargs)
+
+        return _named_call(run)(state, x)
+
+    return type(
+        cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__, "__qualname__": cls.__qualname__}
+    )
+
+
+def mark_nnx(module: nnx.Module) -> int:
+    """Make every repeated block of ``module`` (in place: call it on a copy) run as one named call of the traced
+    program (the block's first argument is its input; state changes inside it are not kept); return how many."""
+    blocks = [b for _, b in nnx_blocks(module) if not _stacked(b)]
+    for block in blocks:
+        block.__class__ = _marked_class(type(block))
+    return len(blocks)
+
+
+@contextlib.contextmanager
+def mark_linen(block_paths: set[tuple[str, ...]]) -> Iterator[None]:
+    """Within the block, linen modules at ``block_paths`` run ``__call__`` as one named call of the traced
+    program."""
+
+    def interceptor(next_fun: Any, args: Any, kwargs: Any, context: Any) -> Any:
+        if context.method_name != "__call__" or tuple(context.module.path) not in block_paths or not args:
+            return next_fun(*args, **kwargs)
+        first, rest = args[0], args[1:]
+        return _named_call(lambda x: next_fun(x, *rest, **kwargs))(first)
+
+    with linen.intercept_methods(interceptor):
+        yield

@@ -103,3 +103,16 @@ def mark_loss_scaled() -> None:
     value = getattr(_local, "policies", None)
     if value is not None:
         value.loss_scaled = True
+
+
+@contextlib.contextmanager
+def marking_blocks() -> Iterator[None]:
+    """Within the block, the library's model apply functions run each repeated block as one named call of the
+    traced program (`openhosti_jax.state.blocks.BLOCK_NAME`), so a pipeline can cut the program there."""
+    with _setting("marking_blocks", True):
+        yield
+
+
+def blocks_marked() -> bool:
+    """Whether the enclosing code asked for marked block calls (`marking_blocks`)."""
+    return bool(getattr(_local, "marking_blocks", False))

@@ -31,8 +31,8 @@ from jax.sharding import Mesh
 from openhosti_jax.errors import StateError
 from openhosti_jax.policies.precision import Precision, precision
 from openhosti_jax.policies.remat import checkpoint
-from openhosti_jax.state.blocks import linen_block_paths, remat_linen, remat_nnx
-from openhosti_jax.state.context import current_policies
+from openhosti_jax.state.blocks import linen_block_paths, mark_linen, mark_nnx, remat_linen, remat_nnx
+from openhosti_jax.state.context import blocks_marked, current_policies
 from openhosti_jax.state.contracts import ApplyFn
 
 
@@ -56,6 +56,8 @@ def nnx_apply_fn(graphdef: Any) -> ApplyFn:
         states = (mp.cast_to_compute(params),) if model_state is None else (mp.cast_to_compute(params), model_state)
         module = nnx.merge(graphdef, *states, copy=True)
         call = module.__call__
+        if blocks_marked():
+            mark_nnx(module)
         if policies is not None:
             _set_compute_dtype(module, mp)
             if remat_nnx(module, policies.remat) == 0:
@@ -84,6 +86,9 @@ def policy_apply_fn(apply_fn: ApplyFn, block_paths: set[tuple[str, ...]] | None 
 
     def apply(params: Any, *args: Any, **kwargs: Any) -> Any:
         policies = current_policies()
+        if blocks_marked() and block_paths:
+            with mark_linen(block_paths):
+                return apply_fn(params, *args, **kwargs)
         if policies is None:
             return apply_fn(params, *args, **kwargs)
         mp = precision(policies.precision)

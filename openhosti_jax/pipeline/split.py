@@ -1,0 +1,217 @@
+"""The layer sequence of a user's model, found without rewriting it: the forward pass traced once with each repeated
+block's call marked, then cut at the marks into pipeline layers.
+
+The blocks are those `openhosti_jax.state.blocks` finds (lists of one nnx class; identical linen siblings). Layer 0
+is everything before the first block (embeddings), then one layer per block (with whatever runs between it and the
+next), then everything after the last (final norm, head). Each layer is a function ``f(params, carry) -> carry``:
+its parameters are the model's parameter leaves it reads, and ``carry`` is the tuple of values later layers need
+(the residual stream, and anything else computed early and read late). Values that depend on neither the
+parameters nor the inputs (positions, causal masks) are recomputed where they are read instead of carried.
+
+Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from openhosti_jax.models.gpt import GPT, GPTConfig
+    >>> seq = split_layers(lambda r: GPT(GPTConfig.tiny(n_layers=3), rngs=nnx.Rngs(r)), jnp.zeros((2, 8), jnp.int32))
+    >>> len(seq.layers), [len(p) for p in seq.params]  # embeddings, 3 blocks, final norm and head
+    (5, [2, 11, 11, 11, 4])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import Literal
+
+from openhosti_jax.errors import PipelineError
+from openhosti_jax.state.blocks import BLOCK_NAME
+from openhosti_jax.state.context import marking_blocks
+from openhosti_jax.state.model import model_parts
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LayerSequence:
+    """A model cut into pipeline layers."""
+
+    layers: list[Callable[[Any, Any], Any]]
+    """``layers[i](params[i], carry) -> carry``; layer 0 takes the model's inputs, the last returns its outputs."""
+    params: list[tuple[Any, ...]]
+    """Each layer's abstract parameter leaves (the model's leaves in order, split by the layer that reads them)."""
+    owners: tuple[tuple[int, int], ...]
+    """For each leaf of the model's parameters: (layer, position in that layer's tuple)."""
+    treedef: Any
+    """The model's parameter tree structure."""
+
+    def split(self, model_params: Any) -> list[tuple[Any, ...]]:
+        """Per-layer leaves of the model's parameters (real or abstract), as `params` lays them out."""
+        leaves = jax.tree.leaves(model_params)
+        out: list[list[Any]] = [[None] * len(p) for p in self.params]
+        for leaf, (layer, i) in zip(leaves, self.owners, strict=True):
+            out[layer][i] = leaf
+        return [tuple(x) for x in out]
+
+    def merge(self, layer_params: Sequence[Sequence[Any]]) -> Any:
+        """The model's parameter tree from per-layer leaves (parameters or gradients)."""
+        return jax.tree.unflatten(self.treedef, [layer_params[layer][i] for layer, i in self.owners])
+
+
+def _depends(eqns: Sequence[Any], roots: set) -> set:
+    out = set(roots)
+    for eqn in eqns:
+        if any(not isinstance(v, Literal) and v in out for v in eqn.invars):
+            out.update(eqn.outvars)
+    return out
+
+
+def _needed_free(eqns: Sequence[Any], free_defs: dict, wanted: set) -> list[Any]:
+    """The free (input-independent) equations computing ``wanted``, in program order."""
+    need, stack = set(), list(wanted)
+    while stack:
+        v = stack.pop()
+        eqn = free_defs.get(v)
+        if eqn is None or id(eqn) in need:
+            continue
+        need.add(id(eqn))
+        stack += [i for i in eqn.invars if not isinstance(i, Literal)]
+    return [e for e in eqns if id(e) in need]
+
+
+def _evaluate(eqns: Sequence[Any], env: dict) -> None:
+    for eqn in eqns:
+        args = [v.val if isinstance(v, Literal) else env[v] for v in eqn.invars]
+        with eqn.ctx.manager:
+            out = eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(eqn.params))
+        for var, value in zip(eqn.outvars, out if eqn.primitive.multiple_results else [out], strict=True):
+            env[var] = value
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Program:
+    """The forward pass traced at one batch size and cut into segments."""
+
+    consts: dict
+    param_vars: list[Any]
+    input_vars: list[Any]
+    segments: list[list[Any]]
+    free: list[list[Any]]
+    carries: list[list[Any]]
+    layer_params: list[list[int]]
+    out_treedef: Any
+
+    def run(self, s: int, p: Sequence[Any], carry: Any) -> Any:
+        values = jax.tree.leaves(carry) if s == 0 else list(carry)
+        carry_in = self.input_vars if s == 0 else self.carries[s - 1]
+        env = dict(self.consts)
+        env.update(zip([self.param_vars[i] for i in self.layer_params[s]], p, strict=True))
+        env.update(zip(carry_in, values, strict=True))
+        _evaluate(self.free[s] + self.segments[s], env)
+        out = [env[v] for v in self.carries[s]]
+        return jax.tree.unflatten(self.out_treedef, out) if s == len(self.segments) - 1 else tuple(out)
+
+
+def _cut(forward: Any, params: Any, inputs: Any, paths: Sequence[str]) -> _Program:
+    with marking_blocks():
+        closed, out_shape = jax.make_jaxpr(forward, return_shape=True)(params, inputs)
+    jaxpr = closed.jaxpr
+    consts = dict(zip(jaxpr.constvars, closed.consts, strict=True))
+    eqns = jaxpr.eqns
+    n_p = len(jax.tree.leaves(params))
+    param_vars, input_vars = list(jaxpr.invars[:n_p]), list(jaxpr.invars[n_p:])
+    marks = [i for i, e in enumerate(eqns) if e.primitive.name in ("pjit", "jit") and e.params["name"] == BLOCK_NAME]
+    if len(marks) < 2:
+        raise PipelineError(
+            f"found {len(marks)} repeated block(s) in the model's forward pass; a pipeline needs a sequence of at "
+            "least two: keep the blocks in a list (nnx.List of one class, or identical linen submodules), or, for a "
+            "model whose layers are scanned, build it with its layers unrolled (e.g. scan_layers=False)"
+        )
+    bounds = [(0, marks[0])] + [(marks[k], marks[k + 1]) for k in range(len(marks) - 1)]
+    bounds += [(marks[-1], marks[-1] + 1), (marks[-1] + 1, len(eqns))]
+    live = _depends(eqns, set(jaxpr.invars))
+    free_defs = {v: e for e in eqns if not any(o in live for o in e.outvars) for v in e.outvars}
+    segments = [[e for e in eqns[a:b] if any(o in live for o in e.outvars)] for a, b in bounds]
+    uses = [{v for e in seg for v in e.invars if not isinstance(v, Literal)} for seg in segments]
+    outputs = [v for v in jaxpr.outvars if not isinstance(v, Literal)]
+    param_index = {v: i for i, v in enumerate(param_vars)}
+    owners: dict[int, int] = {}
+    layer_params: list[list[int]] = [[] for _ in segments]
+    for s, used in enumerate(uses):
+        for i in sorted(param_index[u] for u in used if u in param_index):
+            if i in owners:
+                raise PipelineError(
+                    f"parameter {paths[i]} is read by layers {owners[i]} and {s} (tied weights): a pipeline keeps "
+                    "each parameter on one stage; untie it (e.g. tie_embeddings=False) to pipeline this model"
+                )
+            owners[i] = s
+            layer_params[s].append(i)
+    for i in range(n_p):  # a parameter nothing reads stays with the first layer
+        if i not in owners:
+            layer_params[0].append(i)
+    carries: list[list[Any]] = []
+    for s in range(len(segments)):
+        later = set().union(*uses[s + 1 :]) if s + 1 < len(segments) else set()
+        later |= set(outputs)
+        made = input_vars + [o for seg in segments[: s + 1] for e in seg for o in e.outvars]
+        keep = [v for v in made if v in later and v not in param_index and v not in free_defs and v not in consts]
+        carries.append(list(dict.fromkeys(keep)))
+    for s, carry in enumerate(carries[:-1]):
+        bad = [str(v.aval) for v in carry if not jnp.issubdtype(v.aval.dtype, jnp.floating)]
+        if bad:
+            raise PipelineError(
+                f"layer {s} passes non-floating values {bad} to later layers; the pipeline carries activations as "
+                "floats: compute them from floats or where they are used"
+            )
+    carries[-1] = outputs
+    free = [_needed_free(eqns, free_defs, {v for v in used if v in free_defs}) for used in uses]
+    return _Program(
+        consts, param_vars, input_vars, segments, free, carries, layer_params, jax.tree.structure(out_shape)
+    )
+
+
+def _resize(tree: Any, n: int) -> Any:
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((n, *jnp.shape(x)[1:]), jnp.result_type(x)), tree)
+
+
+def split_layers(model: Any, sample_inputs: Any, *, apply_fn: Any = None) -> LayerSequence:
+    """The `LayerSequence` of ``model`` (an nnx module, a linen module or an init function, as
+    `openhosti_jax.state.model.model_parts` takes) on inputs shaped like ``sample_inputs`` (batch first). The
+    forward pass is traced again for each batch size the layers are called with (a microbatch), and cut the same.
+
+    Raises `PipelineError` when the model has no sequence of at least two repeated blocks, when a parameter is
+    read by two layers (tied weights), or when a value carried between layers is not floating point."""
+    parts = model_parts(model, sample_inputs, apply_fn=apply_fn)
+    if parts.apply_fn is None:
+        raise PipelineError("the model has no apply function to trace; pass apply_fn=")
+    params = parts.params
+    leaves, treedef = jax.tree.flatten(params)
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+
+    def forward(p: Any, x: Any) -> Any:
+        return parts.apply_fn(p, x, model_state=parts.model_state)
+
+    sample = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), sample_inputs)
+    programs: dict[int, _Program] = {}
+
+    def program(n: int) -> _Program:
+        if n not in programs:
+            programs[n] = _cut(forward, params, _resize(sample, n), paths)
+        return programs[n]
+
+    first = program(jax.tree.leaves(sample)[0].shape[0])
+
+    def make_layer(s: int) -> Callable[[Any, Any], Any]:
+        def layer(p: Any, carry: Any) -> Any:
+            return program(jax.tree.leaves(carry)[0].shape[0]).run(s, p, carry)
+
+        return layer
+
+    owners = {i: (s, k) for s, idx in enumerate(first.layer_params) for k, i in enumerate(idx)}
+    return LayerSequence(
+        [make_layer(s) for s in range(len(first.segments))],
+        [tuple(leaves[i] for i in idx) for idx in first.layer_params],
+        tuple(owners[i] for i in range(len(leaves))),
+        treedef,
+    )

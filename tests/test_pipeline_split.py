@@ -1,0 +1,120 @@
+"""The layer sequence is found in users' models without rewriting them (nnx lists of blocks, identical linen
+submodules, the bundled GPT and Llama), and a pipeline built from it trains to the single-device losses."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+from test_pipeline_executor import run_script
+
+from openhosti_jax.errors import PipelineError
+from openhosti_jax.models.gpt import GPT, GPTConfig
+from openhosti_jax.models.llama import Llama, LlamaConfig
+from openhosti_jax.pipeline.split import split_layers
+from openhosti_jax.state.model import model_parts
+
+TOKENS = jax.random.randint(jax.random.key(1), (4, 16), 0, 256)
+
+
+class LinenBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return x + nn.Dense(16)(jnp.tanh(nn.Dense(32)(nn.LayerNorm()(x))))
+
+
+class LinenNet(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(16)(x)
+        for _ in range(3):
+            x = LinenBlock()(x)
+        return nn.Dense(2)(x)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["gpt", "llama", "linen"],
+)
+def test_the_layers_compose_to_the_model(name):
+    if name == "linen":
+        model, x = LinenNet(), jax.random.normal(jax.random.key(2), (4, 8))
+        blocks = 3
+    else:
+        cls, cfg = (GPT, GPTConfig.tiny(n_layers=3)) if name == "gpt" else (Llama, LlamaConfig.tiny(n_layers=3))
+        model, x, blocks = (lambda r, cls=cls, cfg=cfg: cls(cfg, rngs=nnx.Rngs(r))), TOKENS, 3
+    seq = split_layers(model, x)
+    assert len(seq.layers) == blocks + 2  # what comes before the blocks, each block, what comes after
+    parts = model_parts(model, x)
+    params, state = parts.init(jax.random.key(0))
+    h = x
+    for layer, p in zip(seq.layers, seq.split(params), strict=True):
+        h = layer(p, h)
+    want = parts.apply_fn(params, x, model_state=state)
+    assert float(jnp.max(jnp.abs(h - want))) < 1e-5
+    merged = seq.merge(seq.split(params))
+    assert all(a is b for a, b in zip(jax.tree.leaves(merged), jax.tree.leaves(params), strict=True))
+
+
+def test_models_without_a_sequence_or_with_tied_weights_are_refused_with_the_fix():
+    with pytest.raises(PipelineError, match=r"scan_layers=False"):
+        split_layers(lambda r: GPT(GPTConfig.tiny(n_layers=3, scan_layers=True), rngs=nnx.Rngs(r)), TOKENS)
+    with pytest.raises(PipelineError, match="found 0 repeated block"):
+        split_layers(lambda r: nnx.Linear(8, 8, rngs=nnx.Rngs(r)), jnp.zeros((2, 8)))
+    with pytest.raises(PipelineError, match=r"tied weights.*tie_embeddings=False"):
+        split_layers(lambda r: Llama(LlamaConfig.tiny(tie_embeddings=True), rngs=nnx.Rngs(r)), TOKENS)
+
+
+TRAIN_GPT = """
+from flax import nnx
+from openhosti_jax.models.gpt import GPT, GPTConfig, next_token_loss
+from openhosti_jax.pipeline.split import split_layers
+from openhosti_jax.state.model import model_parts
+init = lambda r: GPT(GPTConfig.tiny(n_layers=4), rngs=nnx.Rngs(r))
+tok = jax.random.randint(jax.random.key(1), (16, 32), 0, 256)
+seq = split_layers(init, tok[:2])
+parts = model_parts(init)
+params, _ = parts.init(jax.random.key(0))
+mean_loss = lambda logits, t: (lambda a: a[0] / a[1])(next_token_loss(logits, t))
+tx = optax.adam(1e-3)
+cpu0 = jax.devices()[0]
+
+@jax.jit
+def plain_step(p, o):
+    loss, g = jax.value_and_grad(lambda q: mean_loss(parts.apply_fn(q, tok), tok))(p)
+    u, o = tx.update(g, o, p)
+    return optax.apply_updates(p, u), o, loss
+
+p, o = jax.device_put((params, tx.init(params)), cpu0)
+ref = []
+for _ in range(3):
+    p, o, loss = plain_step(p, o)
+    ref.append(float(loss))
+res = {}
+for name, s, sch, axes in [("1f1b S=2 data=4", 2, one_f_one_b(2, 4), {"data": 4}),
+                           ("gpipe S=3 data=2", 3, gpipe(3, 4), {"data": 2})]:
+    mesh = build_mesh(MeshConfig(stage=s, **axes), jax.devices()[: s * axes["data"]])
+    layer_params = seq.split(params)
+    cut = partition(layer_costs(seq.layers, layer_params, tok[:2]), s, 4)
+    state = init_pipeline_state(layer_params, tx, mesh, cut, sch)
+    step = make_pipeline_train_step(seq.layers, mean_loss, mesh, cut, sch, state)
+    losses = []
+    for _ in range(3):
+        state, m = step(state, (tok, tok))
+        losses.append(float(m["loss"]))
+    res[name] = {"loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses, ref)),
+                 "param_err": max_err(seq.merge(unpack_state(state)[0]), p), "stages": list(cut.boundaries)}
+print(json.dumps(res))
+"""
+
+
+@pytest.mark.timeout(600)
+def test_the_bundled_gpt_trains_pipelined_to_the_single_device_losses(tmp_path):
+    """Adam moves each coordinate by at most about lr per step whatever its gradient's size, so a gradient near zero
+    whose float noise differs between the two runs can move a coordinate by up to 2 lr per step: the parameters are
+    compared within 5e-5 (lr 1e-3, three steps: the bound is 6e-3, the seen difference 2e-5), the losses within
+    1e-6 relative."""
+    out = run_script(TRAIN_GPT, tmp_path, timeout=560)
+    for name, r in out.items():
+        assert r["loss_err"] < 1e-6, (name, r)
+        assert r["param_err"] < 5e-5, (name, r)
