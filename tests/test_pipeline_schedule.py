@@ -105,3 +105,10 @@ def test_tick_table_replays_schedule(schedule):
                 assert op == BACKWARD and c > 0
                 grads[d, row[d, f["recv_grad_slot"]]] = (c - 1, m)
     assert t.num_act_slots <= max(sim.peak_in_flight) + 1
+
+
+def test_1f1b_with_fewer_microbatches_than_stages_is_refused():
+    from openhosti_jax.errors import PipelineError
+
+    with pytest.raises(PipelineError, match=r"M=2 < S=4; use M >= 4"):
+        one_f_one_b(4, 2)

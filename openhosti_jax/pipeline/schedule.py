@@ -104,9 +104,15 @@ def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
 
 
 def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
-    """1F1B (PipeDream-flush): ``S - s - 1`` warm-up forwards, then alternate: at most ``S - s`` in flight."""
+    """1F1B (PipeDream-flush): ``S - s - 1`` warm-up forwards, then alternate: at most ``S - s`` in flight. Needs
+    ``M >= S`` (with fewer microbatches the first stage never reaches its steady state: that is GPipe)."""
     _check(num_stages, num_microbatches)
     s, m = num_stages, num_microbatches
+    if m < s:
+        raise PipelineError(
+            f"1F1B needs at least as many microbatches as stages to reach its one-forward-one-backward steady state, "
+            f"found M={m} < S={s}; use M >= {s} (4S = {4 * s} keeps the bubble near 20%) or gpipe({s}, {m})"
+        )
     per_stage = []
     for d in range(s):
         warm = min(s - d - 1, m)
