@@ -12,7 +12,7 @@ from openhosti_jax.microbatch import accumulate_gradients, find_microbatch, make
 from openhosti_jax.planner import choose_plan
 from openhosti_jax.sharding import PlanReport, ShardingPlan, place_batch
 from openhosti_jax.state import TrainState
-from openhosti_jax.train import Trainer, TrainerCheckpoint, balanced_step, create_train_state, spmd
+from openhosti_jax.train import Trainer, TrainerCheckpoint, balanced_step, create_train_state, pipeline_step, spmd
 
 __version__ = "0.1.0"
 
@@ -34,6 +34,7 @@ __all__ = [
     "find_microbatch",
     "initialize_distributed",
     "make_train_step",
+    "pipeline_step",
     "place_batch",
     "run_with_restarts",
     "spmd",

@@ -46,6 +46,17 @@ class LayerSequence:
     treedef: Any
     """The model's parameter tree structure."""
 
+    def _key(self) -> tuple:
+        shapes = tuple((tuple(jnp.shape(x)), str(jnp.result_type(x))) for p in self.params for x in p)
+        return (self.treedef, self.owners, shapes)
+
+    def __eq__(self, other: object) -> bool:
+        """Sequences of the same parameter layout are interchangeable (a fresh state of the same model)."""
+        return isinstance(other, LayerSequence) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
     def split(self, model_params: Any) -> list[tuple[Any, ...]]:
         """Per-layer leaves of the model's parameters (real or abstract), as `params` lays them out."""
         leaves = jax.tree.leaves(model_params)

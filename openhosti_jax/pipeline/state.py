@@ -61,6 +61,12 @@ class PipelineState(struct.PyTreeNode):
     """The layers' abstract parameters."""
     zero_stage: int = struct.field(pytree_node=False, default=0)
     """ZeRO inside a stage: 1-2 shard the optimizer state over ``fsdp``, 3 the parameters too."""
+    sequence: Any = struct.field(pytree_node=False, default=None)
+    """The model's `openhosti_jax.pipeline.split.LayerSequence`, when the state was made from a model."""
+    partition: Any = struct.field(pytree_node=False, default=None)
+    """The stage cut (`StagePartition`), when made from a model."""
+    schedule: Any = struct.field(pytree_node=False, default=None)
+    """The schedule, when made from a model."""
 
 
 def _specs(state_like: Any, zero_stage: int, fsdp: int) -> tuple[P, Any]:

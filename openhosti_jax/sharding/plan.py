@@ -55,6 +55,11 @@ class ShardingPlan:
     """Gradient-accumulation steps per global batch."""
     pipeline_stages: int = 1
     """Pipeline stages (the ``stage`` axis size)."""
+    pipeline_schedule: str = "1f1b"
+    """With ``pipeline_stages`` > 1: ``"gpipe"``, ``"1f1b"`` or ``"interleaved"`` over ``num_microbatches``."""
+    stage_boundaries: tuple[int, ...] = ()
+    """With ``pipeline_stages`` > 1: the layer index each stage starts at, then the layer count (empty: the
+    partitioner cuts when the state is made)."""
     remat: str = "none"
     """Rematerialisation policy of the model's repeated blocks (`openhosti_jax.policies.remat`)."""
     precision: str = "fp32"
@@ -126,6 +131,8 @@ class ShardingPlan:
         text = repr((dict(self.mesh_shape), self.zero_stage, self.batch_spec, self.num_microbatches, specs))
         if (self.remat, self.precision) != ("none", "fp32"):
             text += repr((self.remat, self.precision))
+        if self.pipeline_stages > 1:
+            text += repr((self.pipeline_stages, self.pipeline_schedule, self.stage_boundaries))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def table(self, params: Any | None = None) -> str:
@@ -139,7 +146,12 @@ class ShardingPlan:
             f"  ZeRO stage      {self.zero_stage}",
             f"  batch spec      {spec_str(self.batch_spec)}  (split {self.data_parallel_size} ways)",
             f"  microbatches    {self.num_microbatches}",
-            f"  pipeline stages {self.pipeline_stages}",
+            f"  pipeline stages {self.pipeline_stages}"
+            + (
+                f"  ({self.pipeline_schedule}, cut at {list(self.stage_boundaries) or 'the partitioner'})"
+                if self.pipeline_stages > 1
+                else ""
+            ),
             f"  remat           {self.remat}",
             f"  precision       {self.precision}",
             f"  sharded leaves  {sum(1 for s in specs if spec_axes(s))}/{len(specs)}",

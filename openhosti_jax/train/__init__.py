@@ -1,8 +1,10 @@
-"""Training on top of the core: ``@spmd``, `balanced_step`, `create_train_state` and the `Trainer` loop."""
+"""Training on top of the core: ``@spmd``, `balanced_step`, `create_train_state`, `pipeline_step` and the `Trainer`
+loop."""
 
 from openhosti_jax.train.balanced import BalancedStep, balanced_step
 from openhosti_jax.train.create import Strategy, create_train_state, resolve_plan
 from openhosti_jax.train.metrics import MetricsLog, read_metrics
+from openhosti_jax.train.pipelined import from_model_state, pipeline_step, to_model_state
 from openhosti_jax.train.resume import TrainerCheckpoint
 from openhosti_jax.train.spmd import SpmdStep, spmd
 from openhosti_jax.train.trainer import FitResult, Trainer
@@ -17,7 +19,10 @@ __all__ = [
     "TrainerCheckpoint",
     "balanced_step",
     "create_train_state",
+    "pipeline_step",
+    "from_model_state",
     "read_metrics",
     "resolve_plan",
     "spmd",
+    "to_model_state",
 ]

@@ -35,7 +35,7 @@ from openhosti_jax.sharding.zero import Optimizer
 from openhosti_jax.state.contracts import ApplyFn
 from openhosti_jax.state.init import init_state
 from openhosti_jax.state.model import model_parts
-from openhosti_jax.state.train_state import TrainState
+from openhosti_jax.train.pipelined import create_pipeline_state
 
 Strategy = str | int | ShardingPlan
 """``"fsdp"`` (ZeRO-3), ``"dp"`` (ZeRO-0), ``"zero1"``/``"zero2"``, an int ZeRO stage, ``"auto"``, or a plan."""
@@ -72,13 +72,24 @@ def create_train_state(
     plan: Strategy = "fsdp",
     apply_fn: ApplyFn | None = None,
     seed: int | jax.Array = 0,
+    sample_batch: Any = None,
     **plan_kw: Any,
-) -> tuple[TrainState, ShardingPlan]:
+) -> tuple[Any, ShardingPlan]:
     """Initialise parameters and optimizer state directly into their shards; return (state, plan).
 
     ``seed`` seeds both the init key and the state's ``rng`` (used for dropout etc.). With ``plan="auto"`` the
     planner's reasons are not returned: call `openhosti_jax.planner.plan_on_mesh` for the (plan, report).
+    A pipelined plan (``pipeline_stages`` > 1) gives a stage-local `openhosti_jax.pipeline.PipelineState`, cut
+    from the model's forward pass on ``sample_batch``; train it with `openhosti_jax.pipeline_step`.
     """
+    if isinstance(plan, ShardingPlan) and plan.pipeline_stages > 1:
+        if sample_batch is None:
+            raise StateError(
+                f"the plan pipelines over {plan.pipeline_stages} stages, which cuts the model's forward pass where "
+                "its blocks are called: pass sample_batch= (the inputs, or (inputs, targets)) to trace it"
+            )
+        key = jax.random.key(seed) if isinstance(seed, int) else seed
+        return create_pipeline_state(init_fn, tx, mesh, plan, sample_batch, key=key, apply_fn=apply_fn), plan
     parts = model_parts(init_fn, apply_fn=apply_fn, mesh=mesh)
     the_plan, _ = resolve_plan(plan, parts.params, tx, mesh, **plan_kw)
     the_plan.validate(parts.params)

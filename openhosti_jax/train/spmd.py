@@ -124,7 +124,16 @@ class SpmdStep:
                 pass
         return {**kw, **self._plan_kw}
 
+    def _refuse_pipelined(self) -> None:
+        if self.plan is not None and self.plan.pipeline_stages > 1:
+            raise StateError(
+                f"the plan pipelines over {self.plan.pipeline_stages} stages, which @spmd does not run (it would "
+                "replicate the step on every stage); make the state with create_train_state(..., plan=plan, "
+                "sample_batch=...) and train it with openhosti_jax.pipeline_step(loss_fn, mesh, state)"
+            )
+
     def _resolve(self, state: Any, batch: Any = None) -> ShardingPlan:
+        self._refuse_pipelined()
         if self.layout is None:
             self.layout = find_layout(state, **self._paths)
         if self.mesh is None:
@@ -144,6 +153,7 @@ class SpmdStep:
                     "activations and FLOPs priced from the step's own jaxpr: no apply_fn(params, batch) takes the "
                     "batch as given (pass spmd(..., apply_fn=f) with f(params, batch, model_state=None) to use one)"
                 )
+        self._refuse_pipelined()
         self.plan.check_mesh(self.mesh)
         if jax.process_count() > 1 and not self._agreed:
             agree("spmd-plan", self.plan.digest())

@@ -1,0 +1,130 @@
+"""A pipelined `ShardingPlan` trains through the same entry points as any other: `create_train_state` builds a
+stage-local `openhosti_jax.pipeline.PipelineState` for it, `pipeline_step` is the step the plan selects (``@spmd``
+names it), and `Trainer.fit` and `TrainerCheckpoint` run and save that state like any pytree state.
+
+The model's layer sequence is found in it (`openhosti_jax.pipeline.split_layers`), cut into the plan's stages by
+the exact partitioner (or at the plan's ``stage_boundaries``), and run on the plan's schedule with
+``num_microbatches`` microbatches. `to_model_state` gives the model's own parameter tree and the optimizer
+state ``tx.init`` makes for it, to continue without a pipeline (or save such a checkpoint); `from_model_state`
+takes them back.
+
+Example:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> from flax import nnx
+    >>> import openhosti_jax as oh
+    >>> from openhosti_jax.models.gpt import GPT, GPTConfig
+    >>> mesh = oh.build_mesh(oh.MeshConfig(stage=2, data=4))
+    >>> plan = oh.ShardingPlan.from_zero({}, None, dict(mesh.shape), 0, pipeline_stages=2, num_microbatches=2)
+    >>> tokens = jnp.zeros((8, 16), jnp.int32)
+    >>> init = lambda r: GPT(GPTConfig.tiny(n_layers=2), rngs=nnx.Rngs(r))
+    >>> state, plan = oh.create_train_state(init, optax.adam(1e-3), mesh, plan=plan, sample_batch=tokens)
+    >>> type(state).__name__, state.params.shape[1]
+    ('PipelineState', 2)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import optax
+from jax.sharding import Mesh
+
+from openhosti_jax.errors import PipelineError
+from openhosti_jax.pipeline.costs import layer_costs
+from openhosti_jax.pipeline.executor import Batch, OutputLoss
+from openhosti_jax.pipeline.partition import StagePartition, evaluate_partition, partition
+from openhosti_jax.pipeline.schedule import make_schedule
+from openhosti_jax.pipeline.split import split_layers
+from openhosti_jax.pipeline.state import PipelineState, init_pipeline_state, make_pipeline_train_step, pack_state
+from openhosti_jax.pipeline.state import unpack_state as unpack_pipeline_state
+from openhosti_jax.sharding.plan import ShardingPlan
+from openhosti_jax.state.model import model_parts
+
+
+def _stage_cut(plan: ShardingPlan, layers: Any, layer_params: Any, sample: Any, chunks: int) -> StagePartition:
+    if plan.stage_boundaries:
+        if plan.stage_boundaries[-1] != len(layers) or len(plan.stage_boundaries) != chunks + 1:
+            raise PipelineError(
+                f"the plan cuts at {plan.stage_boundaries} ({len(plan.stage_boundaries) - 1} stages of "
+                f"{plan.stage_boundaries[-1]} layers) but the model has {len(layers)} layers to cut into {chunks}; "
+                "re-plan for this model, or drop stage_boundaries to let the partitioner cut"
+            )
+        costs = layer_costs(layers, layer_params, sample)
+        return evaluate_partition(costs, plan.stage_boundaries, plan.num_microbatches)
+    if chunks > len(layers):
+        raise PipelineError(
+            f"the plan wants {chunks} stages but the model has {len(layers)} layers (before the blocks, each block, "
+            "after them); use at most that many stages"
+        )
+    return partition(layer_costs(layers, layer_params, sample), chunks, plan.num_microbatches)
+
+
+def create_pipeline_state(
+    init_fn: Any,
+    tx: optax.GradientTransformation,
+    mesh: Mesh,
+    plan: ShardingPlan,
+    sample_batch: Any,
+    *,
+    key: jax.Array | None = None,
+    apply_fn: Any = None,
+) -> PipelineState:
+    """The stage-local state of ``init_fn``'s model for a pipelined ``plan`` (``sample_batch``: the inputs)."""
+    plan.check_mesh(mesh)
+    inputs = sample_batch[0] if isinstance(sample_batch, tuple) else sample_batch
+    one = jax.tree.map(lambda x: x[:1], inputs)
+    seq = split_layers(init_fn, one, apply_fn=apply_fn)
+    parts = model_parts(init_fn, one, apply_fn=apply_fn)
+    params, _ = parts.init(jax.random.key(0) if key is None else key)
+    layer_params = seq.split(params)
+    schedule = make_schedule(plan.pipeline_schedule, plan.pipeline_stages, plan.num_microbatches)
+    cut = _stage_cut(plan, seq.layers, layer_params, one, schedule.num_chunks)
+    state = init_pipeline_state(layer_params, tx, mesh, cut, schedule, zero_stage=plan.zero_stage)
+    return state.replace(sequence=seq, partition=cut, schedule=schedule)
+
+
+def pipeline_step(
+    loss_fn: OutputLoss, mesh: Mesh, state: PipelineState
+) -> Callable[[PipelineState, Batch], tuple[PipelineState, dict[str, jax.Array]]]:
+    """The jitted ``step(state, (inputs, targets)) -> (state, {"loss", "grad_norm"})`` of a state made by
+    `create_train_state` for a pipelined plan; ``loss_fn(outputs, targets)`` is a mean over examples."""
+    if state.sequence is None:
+        raise PipelineError(
+            "this PipelineState carries no layer sequence; make it with create_train_state(..., plan=pipelined_plan, "
+            "sample_batch=...) or call openhosti_jax.pipeline.make_pipeline_train_step with the layers"
+        )
+    return make_pipeline_train_step(state.sequence.layers, loss_fn, mesh, state.partition, state.schedule, state)
+
+
+def to_model_state(state: PipelineState) -> tuple[Any, Any]:
+    """(the model's parameter tree, the optimizer state ``tx.init`` makes for it) of a pipelined state."""
+    seq = state.sequence
+    if seq is None:
+        raise PipelineError("this PipelineState carries no layer sequence; use pipeline.unpack_state for its layers")
+    layers, opt = unpack_pipeline_state(state)
+    shape = jax.tree.structure(layers)
+    is_layers = lambda x: isinstance(x, list) and jax.tree.structure(x) == shape  # noqa: E731
+    return seq.merge(layers), jax.tree.map(lambda x: seq.merge(x) if is_layers(x) else x, opt, is_leaf=is_layers)
+
+
+def from_model_state(params: Any, opt_state: Any, like: PipelineState, mesh: Mesh, *, step: int = 0) -> PipelineState:
+    """A state like ``like`` (same model, plan and optimizer) holding the model's ``params`` and their
+    unpipelined ``opt_state`` (`to_model_state`'s inverse): how a plain run's checkpoint goes back onto the
+    pipeline.
+
+    Raises `PipelineError` when the parameters do not fit the model's layer sequence (a changed layer count)."""
+    seq = like.sequence
+    if jax.tree.structure(params) != seq.treedef:
+        raise PipelineError(
+            f"the parameters do not match the pipelined model: expected the structure {seq.treedef}, found "
+            f"{jax.tree.structure(params)}; restore a checkpoint of the same model (the same layer count)"
+        )
+    layer_params = seq.split(params)
+    is_model = lambda x: jax.tree.structure(x) == seq.treedef  # noqa: E731
+    opt_layers = jax.tree.map(lambda x: seq.split(x) if is_model(x) else x, opt_state, is_leaf=is_model)
+    state = pack_state(
+        layer_params, opt_layers, like.tx, mesh, like.partition, like.schedule, zero_stage=like.zero_stage, step=step
+    )
+    return state.replace(sequence=seq, partition=like.partition, schedule=like.schedule)
