@@ -134,6 +134,8 @@ def estimate(
     if work.activation_bytes_per_example:  # the policy's share of the (tensor-split) activations
         act_per_example *= policy.bytes_per_example / work.activation_bytes_per_example
     act = act_per_example * b_local / k
+    if stages > 1:  # 1F1B: at most S microbatches in flight at the first stage, each holding that stage's share
+        act = act_per_example * (b_local / k) * min(k, stages)
     accumulator = sum(local_bytes(x, s, sizes) for x, s in zip(params, g_specs, strict=True)) if k > 1 else 0.0
     batch = tree_bytes(work.batch) / dp
     state = (param_local + opt_local) / stages
@@ -189,13 +191,16 @@ def estimate(
         coll("all_gather", reshard * b_local, t)
         coll("reduce_scatter", reshard * b_local, t)
     flops = work.flops_per_example * b_local * (1 - split_share + split_share / t) * policy.flops_factor
+    if stages > 1:  # the pipeline's backward recomputes its chunk's forward from the stored input
+        flops *= 4 / 3
     mem_bytes = 2 * act + 2 * upd_param + upd_param + 2 * opt_local
     compute = flops / profile.peak_flops
     offload = 2 * policy.host_bytes_per_example * b_local / profile.host_bandwidth  # out to the host and back
     bandwidth = profile.memory_seconds(mem_bytes, memory["total"])  # a small step streams from the caches
     bubble = 1.0 + (stages - 1) / max(plan.num_microbatches, stages) if stages > 1 else 1.0
     # each further microbatch is one more trip through the accumulation loop (a launch's fixed cost)
-    total = (compute + bandwidth + offload) / stages * bubble + comm_s + profile.launch_seconds * k
+    launches = 1 if stages > 1 else k  # a pipeline's microbatches are ticks of one program
+    total = (compute + bandwidth + offload) / stages * bubble + comm_s + profile.launch_seconds * launches
     time = {
         "compute": compute,
         "memory": bandwidth,

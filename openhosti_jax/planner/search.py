@@ -136,7 +136,8 @@ def score(
         pipeline_stages=sizes["stage"],
         remat=candidate.remat,
         precision=candidate.precision,
-        num_microbatches=candidate.microbatches,
+        num_microbatches=candidate.microbatches if sizes["stage"] == 1 else pipeline_microbatches(work, candidate),
+        pipeline_schedule="1f1b",
     )
     if plan.zero_stage == 3:
         sharded = plan.param_specs
@@ -147,6 +148,15 @@ def score(
             work.params, tx, sizes, 3, base_specs=base, axes=candidate.zero_axes, min_elements=min_elements
         )[0]
     return Scored(candidate, plan, estimate(plan, work, tx, profile, base, sharded))
+
+
+def pipeline_microbatches(work: Workload, candidate: Candidate) -> int:
+    """The microbatch count of a pipelined candidate: 4S where the per-replica batch allows it (1F1B's bubble is
+    then (S-1)/(5S-1), under 20%), else the largest multiple of S, else S (1F1B needs M >= S)."""
+    s = candidate.mesh_shape["stage"]
+    local = max(work.global_batch // (candidate.mesh_shape["data"] * candidate.mesh_shape["fsdp"]), 1)
+    fits = [m for m in range(4 * s, s - 1, -s) if local % m == 0]
+    return fits[0] if fits else s
 
 
 def _uses_tensor(scored: Scored) -> bool:
@@ -334,7 +344,8 @@ def first_that_compiles_within(
     ranked: Sequence[Scored], compiled_bytes: Callable[[ShardingPlan], int | None], budget: int | None
 ) -> tuple[Scored, int | None, list[str]]:
     """(the first of ``ranked`` whose AOT-compiled bytes fit ``budget``, its compiled bytes, notes), compiling at
-    most `VERIFY_TRIES`. A pipelined candidate is taken on its prediction (the plain step has no stage axis).
+    most `VERIFY_TRIES`. A pipelined candidate is taken on its prediction here: its step is the pipeline's, which
+    `openhosti_jax.create_train_state` builds and compiles from the model.
 
     Raises `MemoryBudgetError` naming the smallest compiled size when every one tried compiles over the budget:
     a plan is never returned that the compiler says does not fit.
@@ -343,7 +354,11 @@ def first_that_compiles_within(
     over: list[tuple[int, Scored]] = []
     for tried, s in enumerate(ranked[:VERIFY_TRIES]):
         if s.plan.pipeline_stages > 1:
-            notes.append(f"{s.candidate.label}: pipelined, not AOT-compiled (the plain step has no stage axis)")
+            notes.append(
+                f"{s.candidate.label}: pipelined over {s.plan.pipeline_stages} stages, 1F1B with "
+                f"{s.plan.num_microbatches} microbatches; taken on its prediction (the pipeline step is compiled "
+                "when create_train_state builds it)"
+            )
             return s, None, notes
         compiled = compiled_bytes(s.plan)
         if compiled is None or budget is None or compiled <= budget:
