@@ -7,21 +7,17 @@ import optax
 import pytest
 from flax import nnx
 from test_pipeline_executor import run_script
+from test_pipeline_split import GPT_REFERENCE
 
 import openhosti_jax as oh
 from openhosti_jax.errors import PipelineError, StateError
 from openhosti_jax.models.gpt import GPT, GPTConfig
 
-TRAIN = """
-from flax import nnx
+TRAIN = (
+    GPT_REFERENCE
+    + """
 import openhosti_jax as oh
-from openhosti_jax.models.gpt import GPT, GPTConfig, next_token_loss
 from openhosti_jax.train import from_model_state, to_model_state
-from openhosti_jax.state.model import model_parts
-init = lambda r: GPT(GPTConfig.tiny(n_layers=4), rngs=nnx.Rngs(r))
-tok = jax.random.randint(jax.random.key(1), (16, 32), 0, 256)
-mean_loss = lambda logits, t: (lambda a: a[0] / a[1])(next_token_loss(logits, t))
-tx = optax.adam(1e-3)
 mesh = oh.build_mesh(oh.MeshConfig(stage=2, data=4))
 plan = oh.ShardingPlan.from_zero({}, None, dict(mesh.shape), 0, pipeline_stages=2, num_microbatches=4)
 directory = os.environ["CKPT_DIR"]
@@ -36,36 +32,19 @@ trainer = lambda: oh.Trainer(step, checkpoint=oh.TrainerCheckpoint(directory, ev
 result = trainer().fit(state, data(), 4)
 losses = [r["loss"] for r in result.history]
 # the same run on one device, from the same initial parameters
-parts = model_parts(init)
-params0, _ = parts.init(jax.random.key(0))
-cpu0 = jax.devices()[0]
-
-@jax.jit
-def plain_step(p, o):
-    loss, g = jax.value_and_grad(lambda q: mean_loss(parts.apply_fn(q, tok), tok))(p)
-    u, o = tx.update(g, o, p)
-    return optax.apply_updates(p, u), o, loss
-
-p, o = jax.device_put((params0, tx.init(params0)), cpu0)
-plain = []
-for _ in range(6):
-    p, o, loss = plain_step(p, o)
-    plain.append(float(loss))
+plain, _, _ = plain_losses(params, tx.init(params), 6)
 # resume the pipelined run from its checkpoint (step 4) for two more steps
 resumed = trainer().fit(fresh(), data(), 6)
 after = [r["loss"] for r in resumed.history]
 # leave the pipeline: the model's own state continues on one device
 params, opt = to_model_state(result.state)
-q, r = jax.device_put((params, opt), cpu0)
-off = []
-for _ in range(2):
-    q, r, loss = plain_step(q, r)
-    off.append(float(loss))
+off, _, _ = plain_losses(params, opt, 2)
 back = from_model_state(params, opt, result.state, mesh, step=4)
 _, m = step(back, (tok, tok))
 print(json.dumps({"losses": losses, "plain": plain, "resumed": after, "off_pipeline": off,
                   "back_on": float(m["loss"]), "resumed_from": resumed.history[0]["step"]}))
 """
+)
 
 
 @pytest.mark.timeout(600)

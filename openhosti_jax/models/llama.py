@@ -26,6 +26,7 @@ from flax import nnx
 
 from openhosti_jax.errors import StateError
 from openhosti_jax.sharding.rules import LAYER_AXIS
+from openhosti_jax.state.blocks import stack_modules
 
 _POSITIVE_INTS = ("vocab_size", "seq_len", "d_model", "n_heads", "n_kv_heads", "ffn", "n_layers")
 
@@ -249,13 +250,7 @@ class Block(nnx.Module):
 
 def stacked_blocks(cfg: LlamaConfig, rngs: nnx.Rngs) -> Block:
     """One `Block` whose parameters are stacked over a leading ``"layers"`` axis of size ``cfg.n_layers``."""
-
-    @nnx.split_rngs(splits=cfg.n_layers)
-    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYER_AXIS})
-    def make(r: nnx.Rngs) -> Block:
-        return Block(cfg, rngs=r)
-
-    return make(rngs)
+    return stack_modules(lambda r: Block(cfg, rngs=r), cfg.n_layers, rngs)
 
 
 @nnx.scan(in_axes=(nnx.Carry, 0, None, None), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: LAYER_AXIS})

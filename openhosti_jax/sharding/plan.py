@@ -57,6 +57,8 @@ class ShardingPlan:
     """Pipeline stages (the ``stage`` axis size)."""
     pipeline_schedule: str = "1f1b"
     """With ``pipeline_stages`` > 1: ``"gpipe"``, ``"1f1b"`` or ``"interleaved"`` over ``num_microbatches``."""
+    pipeline_virtual: int = 1
+    """Chunks per stage of the ``"interleaved"`` schedule (Megatron's virtual stages)."""
     stage_boundaries: tuple[int, ...] = ()
     """With ``pipeline_stages`` > 1: the layer index each stage starts at, then the layer count (empty: the
     partitioner cuts when the state is made)."""
@@ -132,7 +134,7 @@ class ShardingPlan:
         if (self.remat, self.precision) != ("none", "fp32"):
             text += repr((self.remat, self.precision))
         if self.pipeline_stages > 1:
-            text += repr((self.pipeline_stages, self.pipeline_schedule, self.stage_boundaries))
+            text += repr((self.pipeline_stages, self.pipeline_schedule, self.pipeline_virtual, self.stage_boundaries))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def table(self, params: Any | None = None) -> str:

@@ -71,6 +71,18 @@ def nnx_blocks(module: nnx.Module, path: tuple[Any, ...] = ()) -> list[tuple[tup
     return found
 
 
+def stack_modules(make: Any, count: int, rngs: nnx.Rngs) -> nnx.Module:
+    """One module made by ``make(rngs)`` whose parameters are stacked over a leading ``"layers"`` axis of size
+    ``count`` (``nnx.vmap`` over split RNG streams): the layers a scanned model runs with ``nnx.scan``."""
+
+    @nnx.split_rngs(splits=count)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYER_AXIS})
+    def build(r: nnx.Rngs) -> nnx.Module:
+        return make(r)
+
+    return build(rngs)
+
+
 @functools.cache
 def _remat_class(cls: type, name: str) -> type:
     base_call = cls.__call__

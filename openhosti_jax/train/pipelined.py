@@ -79,7 +79,7 @@ def create_pipeline_state(
     parts = model_parts(init_fn, one, apply_fn=apply_fn)
     params, _ = parts.init(jax.random.key(0) if key is None else key)
     layer_params = seq.split(params)
-    schedule = make_schedule(plan.pipeline_schedule, plan.pipeline_stages, plan.num_microbatches)
+    schedule = make_schedule(plan.pipeline_schedule, plan.pipeline_stages, plan.num_microbatches, plan.pipeline_virtual)
     cut = _stage_cut(plan, seq.layers, layer_params, one, schedule.num_chunks)
     state = init_pipeline_state(layer_params, tx, mesh, cut, schedule, zero_stage=plan.zero_stage)
     return state.replace(sequence=seq, partition=cut, schedule=schedule)
