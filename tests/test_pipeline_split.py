@@ -126,6 +126,17 @@ for _ in range(3):
     losses.append(float(m["loss"]))
 res["interleaved S=2 V=2 data=2"] = {"loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses, ref)),
     "param_err": max_err(oh.train.to_model_state(state)[0], p), "stages": list(state.partition.boundaries)}
+for policy in ({"remat": "full"}, {"precision": "bf16"}):
+    plan = oh.ShardingPlan.from_zero({}, None, dict(mesh.shape), 0, pipeline_stages=2, num_microbatches=4, **policy)
+    state, _ = oh.create_train_state(init, tx, mesh, plan=plan, sample_batch=tok)
+    step = oh.pipeline_step(mean_loss, mesh, state)
+    losses = []
+    for _ in range(3):
+        state, m = step(state, (tok, tok))
+        losses.append(float(m["loss"]))
+    name = "remat=full" if "remat" in policy else "bf16"
+    res[name] = {"loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses, ref)),
+        "param_err": max_err(oh.train.to_model_state(state)[0], p), "stages": list(state.partition.boundaries)}
 print(json.dumps(res))
 """
 )
@@ -138,6 +149,10 @@ def test_the_bundled_gpt_trains_pipelined_to_the_single_device_losses(tmp_path):
     compared within 5e-5 (lr 1e-3, three steps: the bound is 6e-3, the seen difference 2e-5), the losses within
     1e-6 relative."""
     out = run_script(TRAIN_GPT, tmp_path, timeout=560)
+    # bf16 compute: within the first-order bound D * 2^-9 derived in test_memory_policies (D = 1 + 9 x 4 + 2 roundings
+    # on this 4-block GPT's longest path), and not equal (it really computed in bf16)
+    bf16 = out.pop("bf16")
+    assert 0 < bf16["loss_err"] <= (1 + 9 * 4 + 2) * 2.0**-9, bf16
     for name, r in out.items():
         assert r["loss_err"] < 1e-6, (name, r)
         assert r["param_err"] < 5e-5, (name, r)

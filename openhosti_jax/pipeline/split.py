@@ -5,8 +5,9 @@ The blocks are those `openhosti_jax.state.blocks` finds (lists of one nnx class;
 is everything before the first block (embeddings), then one layer per block (with whatever runs between it and the
 next), then everything after the last (final norm, head). Each layer is a function ``f(params, carry) -> carry``:
 its parameters are the model's parameter leaves it reads, and ``carry`` is the tuple of values later layers need
-(the residual stream, and anything else computed early and read late). Values that depend on neither the
-parameters nor the inputs (positions, causal masks) are recomputed where they are read instead of carried.
+(the residual stream, and anything else computed early and read late). Values that do not depend on the inputs
+(positions, causal masks, parameters cast to a compute dtype) are computed in each layer that reads them, from the
+parameters that layer holds, instead of carried.
 
 Example:
     >>> import jax, jax.numpy as jnp
@@ -29,7 +30,7 @@ from jax.extend.core import Literal
 
 from openhosti_jax.errors import PipelineError
 from openhosti_jax.state.blocks import BLOCK_NAME
-from openhosti_jax.state.context import marking_blocks
+from openhosti_jax.state.context import active_policies, marking_blocks
 from openhosti_jax.state.model import model_parts
 
 
@@ -124,8 +125,8 @@ class _Program:
         return jax.tree.unflatten(self.out_treedef, out) if s == len(self.segments) - 1 else tuple(out)
 
 
-def _cut(forward: Any, params: Any, inputs: Any, paths: Sequence[str]) -> _Program:
-    with marking_blocks():
+def _cut(forward: Any, params: Any, inputs: Any, paths: Sequence[str], precision: str) -> _Program:
+    with marking_blocks(), active_policies("none", precision):
         closed, out_shape = jax.make_jaxpr(forward, return_shape=True)(params, inputs)
     jaxpr = closed.jaxpr
     consts = dict(zip(jaxpr.constvars, closed.consts, strict=True))
@@ -141,10 +142,17 @@ def _cut(forward: Any, params: Any, inputs: Any, paths: Sequence[str]) -> _Progr
         )
     bounds = [(0, marks[0])] + [(marks[k], marks[k + 1]) for k in range(len(marks) - 1)]
     bounds += [(marks[-1], marks[-1] + 1), (marks[-1] + 1, len(eqns))]
-    live = _depends(eqns, set(jaxpr.invars))
+    # what does not depend on the inputs (positions, masks, parameters cast to the compute dtype) is computed in
+    # each layer that reads it, from the parameters that layer holds
+    live = _depends(eqns, set(input_vars))
     free_defs = {v: e for e in eqns if not any(o in live for o in e.outvars) for v in e.outvars}
     segments = [[e for e in eqns[a:b] if any(o in live for o in e.outvars)] for a, b in bounds]
-    uses = [{v for e in seg for v in e.invars if not isinstance(v, Literal)} for seg in segments]
+    direct = [{v for e in seg for v in e.invars if not isinstance(v, Literal)} for seg in segments]
+    free = [_needed_free(eqns, free_defs, {v for v in used if v in free_defs}) for used in direct]
+    uses = [
+        used | {v for e in f for v in e.invars if not isinstance(v, Literal)}
+        for used, f in zip(direct, free, strict=True)
+    ]
     outputs = [v for v in jaxpr.outvars if not isinstance(v, Literal)]
     param_index = {v: i for i, v in enumerate(param_vars)}
     owners: dict[int, int] = {}
@@ -163,7 +171,7 @@ def _cut(forward: Any, params: Any, inputs: Any, paths: Sequence[str]) -> _Progr
             layer_params[0].append(i)
     carries: list[list[Any]] = []
     for s in range(len(segments)):
-        later = set().union(*uses[s + 1 :]) if s + 1 < len(segments) else set()
+        later = set().union(*direct[s + 1 :]) if s + 1 < len(segments) else set()
         later |= set(outputs)
         made = input_vars + [o for seg in segments[: s + 1] for e in seg for o in e.outvars]
         keep = [v for v in made if v in later and v not in param_index and v not in free_defs and v not in consts]
@@ -176,7 +184,6 @@ def _cut(forward: Any, params: Any, inputs: Any, paths: Sequence[str]) -> _Progr
                 "floats: compute them from floats or where they are used"
             )
     carries[-1] = outputs
-    free = [_needed_free(eqns, free_defs, {v for v in used if v in free_defs}) for used in uses]
     return _Program(
         consts, param_vars, input_vars, segments, free, carries, layer_params, jax.tree.structure(out_shape)
     )
@@ -186,10 +193,12 @@ def _resize(tree: Any, n: int) -> Any:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct((n, *jnp.shape(x)[1:]), jnp.result_type(x)), tree)
 
 
-def split_layers(model: Any, sample_inputs: Any, *, apply_fn: Any = None) -> LayerSequence:
+def split_layers(model: Any, sample_inputs: Any, *, apply_fn: Any = None, precision: str = "fp32") -> LayerSequence:
     """The `LayerSequence` of ``model`` (an nnx module, a linen module or an init function, as
     `openhosti_jax.state.model.model_parts` takes) on inputs shaped like ``sample_inputs`` (batch first). The
     forward pass is traced again for each batch size the layers are called with (a microbatch), and cut the same.
+    ``precision`` (a name from `openhosti_jax.policies.precision.PRECISIONS` that keeps fp32 parameters) makes the
+    layers compute in its compute dtype: each casts the parameters it holds.
 
     Raises `PipelineError` when the model has no sequence of at least two repeated blocks, when a parameter is
     read by two layers (tied weights), or when a value carried between layers is not floating point."""
@@ -208,7 +217,7 @@ def split_layers(model: Any, sample_inputs: Any, *, apply_fn: Any = None) -> Lay
 
     def program(n: int) -> _Program:
         if n not in programs:
-            programs[n] = _cut(forward, params, _resize(sample, n), paths)
+            programs[n] = _cut(forward, params, _resize(sample, n), paths, precision)
         return programs[n]
 
     first = program(jax.tree.leaves(sample)[0].shape[0])

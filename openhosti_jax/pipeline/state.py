@@ -67,6 +67,9 @@ class PipelineState(struct.PyTreeNode):
     """The stage cut (`StagePartition`), when made from a model."""
     schedule: Any = struct.field(pytree_node=False, default=None)
     """The schedule, when made from a model."""
+    remat: str = struct.field(pytree_node=False, default="none")
+    """The remat policy each layer runs under inside its chunk's recompute (the executor already recomputes a
+    chunk's forward from its stored input; this frees each layer's residuals during it)."""
 
 
 def _specs(state_like: Any, zero_stage: int, fsdp: int) -> tuple[P, Any]:

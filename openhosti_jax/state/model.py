@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -86,18 +87,22 @@ def policy_apply_fn(apply_fn: ApplyFn, block_paths: set[tuple[str, ...]] | None 
 
     def apply(params: Any, *args: Any, **kwargs: Any) -> Any:
         policies = current_policies()
-        if blocks_marked() and block_paths:
-            with mark_linen(block_paths):
-                return apply_fn(params, *args, **kwargs)
-        if policies is None:
+        marked = blocks_marked() and bool(block_paths)
+        if policies is None and not marked:
             return apply_fn(params, *args, **kwargs)
-        mp = precision(policies.precision)
+        mp = precision(policies.precision if policies else "fp32")
+        remat = policies.remat if policies else "none"
         params, args = mp.cast_to_compute((params, args))
         kwargs = {k: v if k == "model_state" else mp.cast_to_compute(v) for k, v in kwargs.items()}
-        if block_paths:
-            with remat_linen(block_paths, policies.remat):
-                return mp.cast_output(apply_fn(params, *args, **kwargs))
-        return mp.cast_output(checkpoint(apply_fn, policies.remat)(params, *args, **kwargs))
+        with contextlib.ExitStack() as stack:
+            call = apply_fn
+            if marked:
+                stack.enter_context(mark_linen(block_paths))
+            if block_paths:
+                stack.enter_context(remat_linen(block_paths, remat))
+            else:
+                call = checkpoint(apply_fn, remat)
+            return mp.cast_output(call(params, *args, **kwargs))
 
     return apply
 

@@ -39,6 +39,8 @@ from openhosti_jax.pipeline.schedule import make_schedule
 from openhosti_jax.pipeline.split import split_layers
 from openhosti_jax.pipeline.state import PipelineState, init_pipeline_state, make_pipeline_train_step, pack_state
 from openhosti_jax.pipeline.state import unpack_state as unpack_pipeline_state
+from openhosti_jax.policies.precision import precision as resolve_precision
+from openhosti_jax.policies.remat import checkpoint
 from openhosti_jax.sharding.plan import ShardingPlan
 from openhosti_jax.state.model import model_parts
 
@@ -75,14 +77,20 @@ def create_pipeline_state(
     plan.check_mesh(mesh)
     inputs = sample_batch[0] if isinstance(sample_batch, tuple) else sample_batch
     one = jax.tree.map(lambda x: x[:1], inputs)
-    seq = split_layers(init_fn, one, apply_fn=apply_fn)
+    mp = resolve_precision(plan.precision)
+    if mp.master_weights or mp.loss_scaling:
+        raise PipelineError(
+            f"precision {plan.precision!r} stores the parameters in a low dtype or scales the loss, which pipelined "
+            "states do not do yet; use precision 'bf16' (fp32 parameters, bf16 compute) or 'fp32'"
+        )
+    seq = split_layers(init_fn, one, apply_fn=apply_fn, precision=plan.precision)
     parts = model_parts(init_fn, one, apply_fn=apply_fn)
     params, _ = parts.init(jax.random.key(0) if key is None else key)
     layer_params = seq.split(params)
     schedule = make_schedule(plan.pipeline_schedule, plan.pipeline_stages, plan.num_microbatches, plan.pipeline_virtual)
     cut = _stage_cut(plan, seq.layers, layer_params, one, schedule.num_chunks)
     state = init_pipeline_state(layer_params, tx, mesh, cut, schedule, zero_stage=plan.zero_stage)
-    return state.replace(sequence=seq, partition=cut, schedule=schedule)
+    return state.replace(sequence=seq, partition=cut, schedule=schedule, remat=plan.remat)
 
 
 def pipeline_step(
@@ -95,7 +103,8 @@ def pipeline_step(
             "this PipelineState carries no layer sequence; make it with create_train_state(..., plan=pipelined_plan, "
             "sample_batch=...) or call openhosti_jax.pipeline.make_pipeline_train_step with the layers"
         )
-    return make_pipeline_train_step(state.sequence.layers, loss_fn, mesh, state.partition, state.schedule, state)
+    layers = [checkpoint(f, state.remat) for f in state.sequence.layers]
+    return make_pipeline_train_step(layers, loss_fn, mesh, state.partition, state.schedule, state)
 
 
 def to_model_state(state: PipelineState) -> tuple[Any, Any]:
@@ -127,4 +136,4 @@ def from_model_state(params: Any, opt_state: Any, like: PipelineState, mesh: Mes
     state = pack_state(
         layer_params, opt_layers, like.tx, mesh, like.partition, like.schedule, zero_stage=like.zero_stage, step=step
     )
-    return state.replace(sequence=seq, partition=like.partition, schedule=like.schedule)
+    return state.replace(sequence=seq, partition=like.partition, schedule=like.schedule, remat=like.remat)
