@@ -17,7 +17,7 @@ from openhosti_jax.mesh import MeshConfig, build_mesh
 from openhosti_jax.pipeline import LayerCost, evaluate_partition, gpipe, make_pipeline_step
 
 MODEL = """
-import json, os
+import json, math, os
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 import jax, jax.numpy as jnp, numpy as np, optax
 from openhosti_jax.mesh import MeshConfig, build_mesh

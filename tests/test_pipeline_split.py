@@ -1,5 +1,6 @@
 """The layer sequence is found in users' models without rewriting them (nnx lists of blocks, identical linen
-submodules, the bundled GPT and Llama), and a pipeline built from it trains to the single-device losses."""
+submodules, blocks scanned over stacked parameters with nn.scan or nnx.scan, the bundled GPT and Llama), and a
+pipeline built from it trains to the single-device losses."""
 
 import flax.linen as nn
 import jax
@@ -32,19 +33,38 @@ class LinenNet(nn.Module):
         return nn.Dense(2)(x)
 
 
-@pytest.mark.parametrize(
-    "name",
-    ["gpt", "llama", "linen"],
-)
+class LinenScanNet(nn.Module):
+    """LinenNet's blocks as one scan over parameters stacked on a leading axis."""
+
+    read_stack_whole: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(16)(x)
+        blocks = nn.scan(
+            lambda block, h, _: (block(h), None), variable_axes={"params": 0}, split_rngs={"params": True}, length=4
+        )
+        block = LinenBlock()
+        x, _ = blocks(block, x, None)
+        if self.read_stack_whole:
+            x = x + jnp.sum(block.variables["params"]["Dense_0"]["bias"])
+        return nn.Dense(2)(x)
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama", "linen", "gpt-scan", "llama-scan", "linen-scan"])
 def test_the_layers_compose_to_the_model(name):
-    if name == "linen":
-        model, x = LinenNet(), jax.random.normal(jax.random.key(2), (4, 8))
-        blocks = 3
+    if name.startswith("linen"):
+        model, blocks = (LinenScanNet(), 4) if name == "linen-scan" else (LinenNet(), 3)
+        x = jax.random.normal(jax.random.key(2), (4, 8))
     else:
-        cls, cfg = (GPT, GPTConfig.tiny(n_layers=3)) if name == "gpt" else (Llama, LlamaConfig.tiny(n_layers=3))
+        cls, cfg = (GPT, GPTConfig) if name.startswith("gpt") else (Llama, LlamaConfig)
+        cfg = cfg.tiny(n_layers=3, scan_layers=name.endswith("scan"))
         model, x, blocks = (lambda r, cls=cls, cfg=cfg: cls(cfg, rngs=nnx.Rngs(r))), TOKENS, 3
     seq = split_layers(model, x)
     assert len(seq.layers) == blocks + 2  # what comes before the blocks, each block, what comes after
+    if name.endswith("scan"):  # each block's layer holds one slice of each stacked parameter
+        assert set(seq.stacks) == {0, blocks}
+        assert len({tuple(jnp.shape(a) for a in p) for p in seq.params[1:-1]}) == 1
     parts = model_parts(model, x)
     params, state = parts.init(jax.random.key(0))
     h = x
@@ -52,13 +72,16 @@ def test_the_layers_compose_to_the_model(name):
         h = layer(p, h)
     want = parts.apply_fn(params, x, model_state=state)
     assert float(jnp.max(jnp.abs(h - want))) < 1e-5
-    merged = seq.merge(seq.split(params))
-    assert all(a is b for a, b in zip(jax.tree.leaves(merged), jax.tree.leaves(params), strict=True))
+    merged = seq.merge(seq.split(params))  # the same arrays, or equal ones restacked from their slices
+    assert all(
+        a is b if n == 0 else bool(jnp.array_equal(a, b))
+        for a, b, n in zip(jax.tree.leaves(merged), jax.tree.leaves(params), seq.stacks, strict=True)
+    )
 
 
 def test_models_without_a_sequence_or_with_tied_weights_are_refused_with_the_fix():
-    with pytest.raises(PipelineError, match=r"scan_layers=False"):
-        split_layers(lambda r: GPT(GPTConfig.tiny(n_layers=3, scan_layers=True), rngs=nnx.Rngs(r)), TOKENS)
+    with pytest.raises(PipelineError, match=r"stacked over the layer scan and also read whole"):
+        split_layers(LinenScanNet(read_stack_whole=True), jnp.zeros((2, 8)))
     with pytest.raises(PipelineError, match="found 0 repeated block"):
         split_layers(lambda r: nnx.Linear(8, 8, rngs=nnx.Rngs(r)), jnp.zeros((2, 8)))
     with pytest.raises(PipelineError, match=r"tied weights.*tie_embeddings=False"):
@@ -115,28 +138,29 @@ for name, s, sch, axes in [("1f1b S=2 data=4", 2, one_f_one_b(2, 4), {"data": 4}
     res[name] = {"loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses, ref)),
                  "param_err": max_err(seq.merge(unpack_state(state)[0]), p), "stages": list(cut.boundaries)}
 import openhosti_jax as oh
-mesh = oh.build_mesh(oh.MeshConfig(stage=2, data=2), jax.devices()[:4])
-plan = oh.ShardingPlan.from_zero({}, None, dict(mesh.shape), 0, pipeline_stages=2, num_microbatches=4,
-                                 pipeline_schedule="interleaved", pipeline_virtual=2)
-state, _ = oh.create_train_state(init, tx, mesh, plan=plan, sample_batch=tok)
-step = oh.pipeline_step(mean_loss, mesh, state)
-losses = []
-for _ in range(3):
-    state, m = step(state, (tok, tok))
-    losses.append(float(m["loss"]))
-res["interleaved S=2 V=2 data=2"] = {"loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses, ref)),
-    "param_err": max_err(oh.train.to_model_state(state)[0], p), "stages": list(state.partition.boundaries)}
-for policy in ({"remat": "full"}, {"precision": "bf16"}):
-    plan = oh.ShardingPlan.from_zero({}, None, dict(mesh.shape), 0, pipeline_stages=2, num_microbatches=4, **policy)
+
+def pipelined(axes, stages=2, zero=0, **fields):
+    mesh = oh.build_mesh(oh.MeshConfig(stage=stages, **axes), jax.devices()[: stages * math.prod(axes.values())])
+    plan = oh.ShardingPlan.from_zero({}, None, dict(mesh.shape), zero, pipeline_stages=stages, num_microbatches=4,
+                                     **fields)
     state, _ = oh.create_train_state(init, tx, mesh, plan=plan, sample_batch=tok)
     step = oh.pipeline_step(mean_loss, mesh, state)
     losses = []
     for _ in range(3):
         state, m = step(state, (tok, tok))
         losses.append(float(m["loss"]))
-    name = "remat=full" if "remat" in policy else "bf16"
-    res[name] = {"loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses, ref)),
-        "param_err": max_err(oh.train.to_model_state(state)[0], p), "stages": list(state.partition.boundaries)}
+    return {"loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses, ref)),
+            "param_err": max_err(oh.train.to_model_state(state)[0], p), "stages": list(state.partition.boundaries)}
+
+res["interleaved S=2 V=2 data=2"] = pipelined({"data": 2}, pipeline_schedule="interleaved", pipeline_virtual=2)
+res["remat=full"] = pipelined({"data": 2}, remat="full")
+res["bf16"] = pipelined({"data": 2}, precision="bf16")
+# the same GPT with its blocks scanned over stacked parameters (nnx.scan), ZeRO-3 over fsdp inside each stage
+init = lambda r: GPT(GPTConfig.tiny(n_layers=4, scan_layers=True), rngs=nnx.Rngs(r))
+parts = model_parts(init)
+params, _ = parts.init(jax.random.key(0))
+ref, p, o = plain_losses(params, tx.init(params), 3)
+res["scanned blocks, fsdp=2 zero3"] = pipelined({"fsdp": 2}, zero=3)
 print(json.dumps(res))
 """
 )

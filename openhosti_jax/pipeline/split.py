@@ -1,9 +1,11 @@
 """The layer sequence of a user's model, found without rewriting it: the forward pass traced once with each repeated
 block's call marked, then cut at the marks into pipeline layers.
 
-The blocks are those `openhosti_jax.state.blocks` finds (lists of one nnx class; identical linen siblings). Layer 0
-is everything before the first block (embeddings), then one layer per block (with whatever runs between it and the
-next), then everything after the last (final norm, head). Each layer is a function ``f(params, carry) -> carry``:
+The blocks are those `openhosti_jax.state.blocks` finds (lists of one nnx class; identical linen siblings), or the
+iterations of a scan over parameters stacked on a leading axis (``nn.scan``, ``nnx.scan``, ``jax.lax.scan``): the
+scan is unrolled, each iteration one block holding its slice of the stacked parameters. Layer 0 is everything before
+the first block (embeddings), then one layer per block (with whatever runs between it and the next), then everything
+after the last (final norm, head). Each layer is a function ``f(params, carry) -> carry``:
 its parameters are the model's parameter leaves it reads, and ``carry`` is the tuple of values later layers need
 (the residual stream, and anything else computed early and read late). Values that do not depend on the inputs
 (positions, causal masks, parameters cast to a compute dtype) are computed in each layer that reads them, from the
@@ -29,7 +31,7 @@ import jax.numpy as jnp
 from jax.extend.core import Literal
 
 from openhosti_jax.errors import PipelineError
-from openhosti_jax.state.blocks import BLOCK_NAME
+from openhosti_jax.state.blocks import BLOCK_NAME, marked_call
 from openhosti_jax.state.context import active_policies, marking_blocks
 from openhosti_jax.state.model import model_parts
 
@@ -43,13 +45,15 @@ class LayerSequence:
     params: list[tuple[Any, ...]]
     """Each layer's abstract parameter leaves (the model's leaves in order, split by the layer that reads them)."""
     owners: tuple[tuple[int, int], ...]
-    """For each leaf of the model's parameters: (layer, position in that layer's tuple)."""
+    """For each layer leaf (a model leaf, or one slice of a stacked one): (layer, position in that layer's tuple)."""
     treedef: Any
     """The model's parameter tree structure."""
+    stacks: tuple[int, ...]
+    """For each leaf of the model's parameters: 0, or the number of slices it is cut into (stacked over a scan)."""
 
     def _key(self) -> tuple:
         shapes = tuple((tuple(jnp.shape(x)), str(jnp.result_type(x))) for p in self.params for x in p)
-        return (self.treedef, self.owners, shapes)
+        return (self.treedef, self.owners, self.stacks, shapes)
 
     def __eq__(self, other: object) -> bool:
         """Sequences of the same parameter layout are interchangeable (a fresh state of the same model)."""
@@ -60,7 +64,11 @@ class LayerSequence:
 
     def split(self, model_params: Any) -> list[tuple[Any, ...]]:
         """Per-layer leaves of the model's parameters (real or abstract), as `params` lays them out."""
-        leaves = jax.tree.leaves(model_params)
+        leaves = [
+            y
+            for x, n in zip(jax.tree.leaves(model_params), self.stacks, strict=True)
+            for y in ([x] if n == 0 else [_slice(x, j) for j in range(n)])
+        ]
         out: list[list[Any]] = [[None] * len(p) for p in self.params]
         for leaf, (layer, i) in zip(leaves, self.owners, strict=True):
             out[layer][i] = leaf
@@ -68,7 +76,18 @@ class LayerSequence:
 
     def merge(self, layer_params: Sequence[Sequence[Any]]) -> Any:
         """The model's parameter tree from per-layer leaves (parameters or gradients)."""
-        return jax.tree.unflatten(self.treedef, [layer_params[layer][i] for layer, i in self.owners])
+        flat = iter([layer_params[layer][i] for layer, i in self.owners])
+        leaves = [next(flat) if n == 0 else jnp.stack([next(flat) for _ in range(n)]) for n in self.stacks]
+        return jax.tree.unflatten(self.treedef, leaves)
+
+
+def _slice(x: Any, j: int) -> Any:
+    return _row(x) if isinstance(x, jax.ShapeDtypeStruct) else x[j]
+
+
+def _row(x: Any) -> jax.ShapeDtypeStruct:
+    """The abstract value of one slice of ``x`` over its leading axis."""
+    return jax.ShapeDtypeStruct(jnp.shape(x)[1:], jnp.result_type(x))
 
 
 def _depends(eqns: Sequence[Any], roots: set) -> set:
@@ -92,13 +111,126 @@ def _needed_free(eqns: Sequence[Any], free_defs: dict, wanted: set) -> list[Any]
     return [e for e in eqns if id(e) in need]
 
 
+def _bind(eqn: Any, args: Sequence[Any]) -> list[Any]:
+    with eqn.ctx.manager:
+        out = eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(eqn.params))
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
 def _evaluate(eqns: Sequence[Any], env: dict) -> None:
     for eqn in eqns:
-        args = [v.val if isinstance(v, Literal) else env[v] for v in eqn.invars]
-        with eqn.ctx.manager:
-            out = eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(eqn.params))
-        for var, value in zip(eqn.outvars, out if eqn.primitive.multiple_results else [out], strict=True):
-            env[var] = value
+        out = _bind(eqn, [v.val if isinstance(v, Literal) else env[v] for v in eqn.invars])
+        env.update(zip(eqn.outvars, out, strict=True))
+
+
+_PER_SLICE = frozenset({"convert_element_type", "copy", "copy_p", "reduce_precision"})
+"""Primitives that act on each slice of a stacked parameter alone (a cast to the compute dtype)."""
+
+
+def _layer_scan(jaxpr: Any, n_p: int) -> tuple[int, set[int]] | None:
+    """The scan over parameters stacked on a leading axis (the one reading the most of them): its equation's index
+    and the stacked parameters' indices; None when there is none."""
+    origin = {v: i for i, v in enumerate(jaxpr.invars[:n_p])}
+    best: tuple[int, set[int]] | None = None
+    for k, eqn in enumerate(jaxpr.eqns):
+        ins = [v for v in eqn.invars if not isinstance(v, Literal)]
+        if eqn.primitive.name in _PER_SLICE and len(ins) == 1 and ins[0] in origin:
+            origin[eqn.outvars[0]] = origin[ins[0]]
+        elif eqn.primitive.name == "scan" and eqn.params["length"] >= 2:
+            xs = eqn.invars[eqn.params["num_consts"] + eqn.params["num_carry"] :]
+            found = {origin[v] for v in xs if not isinstance(v, Literal) and v in origin}
+            if found and (best is None or len(found) > len(best[1])):
+                best = (k, found)
+    return best
+
+
+@dataclasses.dataclass
+class _Stack:
+    """The slices of a value stacked over the layer scan, kept apart until something needs it whole."""
+
+    slices: list[Any]
+    param: str | None
+    """The parameter's path, when it is one (a stacked parameter needed whole cannot be cut)."""
+
+    def whole(self, reader: str) -> Any:
+        if self.param is not None:
+            raise PipelineError(
+                f"parameter {self.param} is stacked over the layer scan and also read whole, by {reader}; a pipeline "
+                "keeps each layer's slice on its own stage: read the stacked parameters only inside the scan"
+            )
+        return jnp.stack(self.slices)
+
+
+def _unrolled(closed: Any, n_p: int, k: int, stacked: set[int], paths: Sequence[str]) -> Callable[..., list]:
+    """A function of (parameter leaves, each stacked one as a list of slices; input leaves) that evaluates the
+    traced program with the layer scan (equation ``k``) unrolled, each iteration a marked block call."""
+    jaxpr, scan = closed.jaxpr, closed.jaxpr.eqns[k]
+    body, nc, nk, n = scan.params["jaxpr"], scan.params["num_consts"], scan.params["num_carry"], scan.params["length"]
+
+    def step(consts: list, carry: list, xs: list) -> list:
+        env = dict(zip(body.jaxpr.constvars, body.consts, strict=True))
+        env.update(zip(body.jaxpr.invars, [*consts, *carry, *xs], strict=True))
+        _evaluate(body.jaxpr.eqns, env)
+        return [v.val if isinstance(v, Literal) else env[v] for v in body.jaxpr.outvars]
+
+    block = marked_call(step)
+
+    def whole(x: Any, reader: str) -> Any:
+        return x.whole(reader) if isinstance(x, _Stack) else x
+
+    def unroll(args: list) -> list:
+        consts, carry, xs = [whole(a, "the scan's constants") for a in args[:nc]], args[nc : nc + nk], args[nc + nk :]
+        ys: list[list[Any]] = [[None] * n for _ in scan.outvars[nk:]]
+        for j in reversed(range(n)) if scan.params["reverse"] else range(n):
+            out = block(consts, carry, [x.slices[j] if isinstance(x, _Stack) else x[j] for x in xs])
+            carry = out[:nk]
+            for col, y in zip(ys, out[nk:], strict=True):
+                col[j] = y
+        return [*carry, *[_Stack(col, None) for col in ys]]
+
+    def forward(params: list, inputs: list) -> list:
+        env: dict = dict(zip(jaxpr.constvars, closed.consts, strict=True))
+        for i, (v, x) in enumerate(zip(jaxpr.invars[:n_p], params, strict=True)):
+            env[v] = _Stack(x, paths[i]) if i in stacked else x
+        env.update(zip(jaxpr.invars[n_p:], inputs, strict=True))
+        for j, eqn in enumerate(jaxpr.eqns):
+            args = [v.val if isinstance(v, Literal) else env[v] for v in eqn.invars]
+            if j == k:
+                out = unroll(args)
+            elif len(args) == 1 and isinstance(args[0], _Stack) and eqn.primitive.name in _PER_SLICE:
+                out = [_Stack([_bind(eqn, [x])[0] for x in args[0].slices], args[0].param)]
+            else:
+                out = _bind(eqn, [whole(a, f"a {eqn.primitive.name}") for a in args])
+            env.update(zip(eqn.outvars, out, strict=True))
+        return [v.val if isinstance(v, Literal) else whole(env[v], "the model's outputs") for v in jaxpr.outvars]
+
+    return forward
+
+
+def _trace(forward: Any, params: Any, inputs: Any, paths: list[str], precision: str) -> tuple[Any, Any, tuple]:
+    """The forward pass traced with its blocks marked: (program, output shapes, `LayerSequence.stacks`). A model
+    whose blocks run as a scan over stacked parameters is traced again with the scan unrolled, its parameters
+    passed slice by slice (``paths`` gains each slice's index)."""
+    with marking_blocks(), active_policies("none", precision):
+        closed, out_shape = jax.make_jaxpr(forward, return_shape=True)(params, inputs)
+    leaves = jax.tree.leaves(params)
+    found = None if len(_marks(closed.jaxpr)) >= 2 else _layer_scan(closed.jaxpr, len(leaves))
+    if found is None:
+        return closed, out_shape, (0,) * len(leaves)
+    k, stacked = found
+    n = closed.jaxpr.eqns[k].params["length"]
+    run = _unrolled(closed, len(leaves), k, stacked, list(paths))
+    sliced = [[_row(x)] * n if i in stacked else x for i, x in enumerate(leaves)]
+    paths[:] = [f"{p}[{j}]" for i, p in enumerate(paths) for j in (range(n) if i in stacked else [None])]
+    paths[:] = [p.removesuffix("[None]") for p in paths]
+    closed = jax.make_jaxpr(run)(sliced, jax.tree.leaves(inputs))
+    return closed, out_shape, tuple(n if i in stacked else 0 for i in range(len(leaves)))
+
+
+def _marks(jaxpr: Any) -> list[int]:
+    return [
+        i for i, e in enumerate(jaxpr.eqns) if e.primitive.name in ("pjit", "jit") and e.params["name"] == BLOCK_NAME
+    ]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -113,6 +245,7 @@ class _Program:
     carries: list[list[Any]]
     layer_params: list[list[int]]
     out_treedef: Any
+    stacks: tuple[int, ...]
 
     def run(self, s: int, p: Sequence[Any], carry: Any) -> Any:
         values = jax.tree.leaves(carry) if s == 0 else list(carry)
@@ -126,19 +259,19 @@ class _Program:
 
 
 def _cut(forward: Any, params: Any, inputs: Any, paths: Sequence[str], precision: str) -> _Program:
-    with marking_blocks(), active_policies("none", precision):
-        closed, out_shape = jax.make_jaxpr(forward, return_shape=True)(params, inputs)
+    paths = list(paths)
+    closed, out_shape, stacks = _trace(forward, params, inputs, paths, precision)
     jaxpr = closed.jaxpr
     consts = dict(zip(jaxpr.constvars, closed.consts, strict=True))
     eqns = jaxpr.eqns
-    n_p = len(jax.tree.leaves(params))
+    n_p = len(paths)
     param_vars, input_vars = list(jaxpr.invars[:n_p]), list(jaxpr.invars[n_p:])
-    marks = [i for i, e in enumerate(eqns) if e.primitive.name in ("pjit", "jit") and e.params["name"] == BLOCK_NAME]
+    marks = _marks(jaxpr)
     if len(marks) < 2:
         raise PipelineError(
             f"found {len(marks)} repeated block(s) in the model's forward pass; a pipeline needs a sequence of at "
-            "least two: keep the blocks in a list (nnx.List of one class, or identical linen submodules), or, for a "
-            "model whose layers are scanned, build it with its layers unrolled (e.g. scan_layers=False)"
+            "least two: keep the blocks in a list (nnx.List of one class, or identical linen submodules), or scan "
+            "one block over parameters stacked on a leading axis (nn.scan, nnx.scan)"
         )
     bounds = [(0, marks[0])] + [(marks[k], marks[k + 1]) for k in range(len(marks) - 1)]
     bounds += [(marks[-1], marks[-1] + 1), (marks[-1] + 1, len(eqns))]
@@ -185,7 +318,7 @@ def _cut(forward: Any, params: Any, inputs: Any, paths: Sequence[str], precision
             )
     carries[-1] = outputs
     return _Program(
-        consts, param_vars, input_vars, segments, free, carries, layer_params, jax.tree.structure(out_shape)
+        consts, param_vars, input_vars, segments, free, carries, layer_params, jax.tree.structure(out_shape), stacks
     )
 
 
@@ -229,9 +362,11 @@ def split_layers(model: Any, sample_inputs: Any, *, apply_fn: Any = None, precis
         return layer
 
     owners = {i: (s, k) for s, idx in enumerate(first.layer_params) for k, i in enumerate(idx)}
+    sliced = [y for x, n in zip(leaves, first.stacks, strict=True) for y in ([x] if n == 0 else [_row(x)] * n)]
     return LayerSequence(
         [make_layer(s) for s in range(len(first.segments))],
-        [tuple(leaves[i] for i in idx) for idx in first.layer_params],
-        tuple(owners[i] for i in range(len(leaves))),
+        [tuple(sliced[i] for i in idx) for idx in first.layer_params],
+        tuple(owners[i] for i in range(len(sliced))),
         treedef,
+        first.stacks,
     )

@@ -163,7 +163,7 @@ BLOCK_NAME = "openhosti_block"
 """The name a marked block call carries in a traced program (`mark_nnx`, `mark_linen`): where a pipeline cuts."""
 
 
-def _named_call(fn: Any) -> Any:
+def marked_call(fn: Any) -> Any:
     """``fn`` jitted under the name `BLOCK_NAME`, so its call is one equation of the enclosing program."""
 
     def openhosti_block(*args: Any) -> Any:
@@ -182,7 +182,7 @@ def _marked_class(cls: type) -> type:
         def run(state: Any, x: Any) -> Any:
             return base_call(nnx.merge(graphdef, state), x, *rest, **kwargs)
 
-        return _named_call(run)(state, x)
+        return marked_call(run)(state, x)
 
     return type(
         cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__, "__qualname__": cls.__qualname__}
@@ -207,7 +207,7 @@ def mark_linen(block_paths: set[tuple[str, ...]]) -> Iterator[None]:
         if context.method_name != "__call__" or tuple(context.module.path) not in block_paths or not args:
             return next_fun(*args, **kwargs)
         first, rest = args[0], args[1:]
-        return _named_call(lambda x: next_fun(x, *rest, **kwargs))(first)
+        return marked_call(lambda x: next_fun(x, *rest, **kwargs))(first)
 
     with linen.intercept_methods(interceptor):
         yield
