@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import subprocess
 import sys
@@ -161,6 +162,62 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _global_batch(text: str, seq: int) -> int:
+    """Sequences in the global batch: ``"1536"`` sequences, or tokens with a ``tok`` suffix (``"4Mtok"``)."""
+    scale = {"": 1, "k": 2**10, "m": 2**20}
+    low = text.strip().lower()
+    if low.endswith("tok"):
+        number, unit = (low[:-4], low[-4]) if low[-4:-3] in ("k", "m") else (low[:-3], "")
+        if not number.isdigit() or (int(number) * scale[unit]) % seq:
+            raise UsageError(f"--global-batch {text!r}: tokens must be a whole number of {seq}-token sequences")
+        return int(number) * scale[unit] // seq
+    if not low.isdigit() or int(low) < 1:
+        raise UsageError(f"--global-batch {text!r}: expected sequences (e.g. 1536) or tokens (e.g. 4Mtok)")
+    return int(low)
+
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    """Predict step time, throughput, MFU and memory of a model on a cluster that is not attached."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    presets = _import("openhosti_jax.models.presets", "model_preset")
+    shape = _import("openhosti_jax.models.presets", "llama_shape")
+    predict = _import("openhosti_jax.planner.predict", "predict")
+    dims = {k: getattr(args, k) for k in ("layers", "d_model", "heads", "ffn", "vocab", "seq")}
+    if args.model is not None:
+        model = presets(args.model, **({"seq_len": args.seq} if args.seq else {}))
+    elif all(v is not None for v in dims.values()):
+        model = shape(kv_heads=args.kv_heads, **dims)
+    else:
+        missing = [f"--{k.replace('_', '-')}" for k, v in dims.items() if v is None]
+        raise UsageError(f"give --model NAME or every dimension (missing {', '.join(missing)})")
+    seq = model.config.seq_len
+    batch = jax.ShapeDtypeStruct((_global_batch(args.global_batch, seq), seq), jnp.int32)
+    result = predict(
+        model.init,
+        optax.adamw(1e-4),
+        batch,
+        args.cluster,
+        mesh=args.mesh,
+        zero=args.zero,
+        remat=args.remat,
+        precision=args.precision,
+        microbatches=args.microbatch or 1,
+        pipeline=not args.no_pipeline,
+        model_flops_per_token=model.flops_per_token,
+        memory_budget=None if args.memory_budget is None else int(args.memory_budget * 2**30),
+    )
+    if args.json:
+        print(json.dumps({"model": model.name, "global_batch": batch.shape[0], **result.as_dict()}))
+    else:
+        print(f"{'model':<20} {model.name}: {model.config.num_params() / 1e9:.2f}B parameters, seq {seq}")
+        print(f"{'global batch':<20} {batch.shape[0]} sequences ({batch.shape[0] * seq:,} tokens)")
+        print(result)
+    return EXIT_OK
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     """Draw a run directory's figures."""
     if not os.path.isdir(args.run_dir):
@@ -267,6 +324,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-budget", type=int, default=None, help="per-device bytes (default: device memory)")
     _device_flags(p)
     p.set_defaults(handler=cmd_plan)
+
+    pr = sub.add_parser(
+        "predict",
+        help="predict step time, tokens/s, MFU and memory on a cluster you do not have yet",
+        epilog=_EPILOG,
+        formatter_class=fmt,
+        description="Plan a model for a cluster from abstract shapes (nothing is allocated or compiled) and print "
+        "the predicted step time, tokens/s per device, MFU and memory per device, for the planner's choice or a "
+        "fixed configuration (--mesh and the flags after it).",
+    )
+    pr.add_argument("--model", default=None, help="preset: gpt3-175b, bert-large, llama2-7b/70b, llama3-8b/70b/405b")
+    for flag in ("layers", "d-model", "heads", "kv-heads", "ffn", "vocab", "seq"):
+        pr.add_argument(f"--{flag}", type=int, default=None, help=f"model {flag} (without --model; --seq also with)")
+    pr.add_argument("--cluster", required=True, help="e.g. 8xH100, 64xH100 (8 hosts of 8), 8x8xA100, v5p-128")
+    pr.add_argument("--global-batch", required=True, help="sequences (1536) or tokens (4Mtok, 4194304tok)")
+    pr.add_argument("--mesh", default=None, help="fixed axis sizes, e.g. fsdp=8 or stage=8,tensor=8")
+    pr.add_argument("--zero", type=int, default=None, choices=[0, 1, 2, 3], help="ZeRO stage (with --mesh)")
+    pr.add_argument("--remat", default=None, help="none, dots, full or offload")
+    pr.add_argument("--precision", default=None, help="fp32, bf16, bf16_params")
+    pr.add_argument("--microbatch", type=int, default=None, help="microbatches per step (with --mesh)")
+    pr.add_argument("--no-pipeline", action="store_true", help="do not consider pipelined meshes")
+    pr.add_argument("--memory-budget", type=float, default=None, help="GiB per device (default: the device's)")
+    pr.add_argument("--json", action="store_true", help="print one JSON object")
+    pr.set_defaults(handler=cmd_predict)
 
     r = sub.add_parser(
         "report",

@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 from openhosti_jax.errors import StateError
+from openhosti_jax.models.attention import causal_mask, query_blocks
 from openhosti_jax.sharding.rules import LAYER_AXIS
 from openhosti_jax.state.blocks import stack_modules
 
@@ -44,6 +45,10 @@ class GPTConfig:
     """Dropout rate on attention output and MLP output (needs an ``rng`` at call time when > 0)."""
     dtype: str = "float32"
     """Compute dtype (parameters stay float32)."""
+    attention_block: int | None = None
+    """Compute attention this many queries at a time, each block recomputed in the backward
+    (`openhosti_jax.models.attention.query_blocks`): activations linear in the sequence length, as flash attention's;
+    None: the whole ``seq x seq`` score matrix at once."""
     scan_layers: bool = False
     """Stack the blocks' parameters over a leading ``"layers"`` axis and run them with ``nnx.scan``: one compiled
     block, and under ZeRO-3 one layer's parameters gathered at a time (as MaxText's ``scan_layers``)."""
@@ -65,6 +70,19 @@ class GPTConfig:
     def tiny(cls, **kw: Any) -> GPTConfig:
         """A model small enough for unit tests (~0.2M parameters)."""
         return cls(**{"seq_len": 32, "d_model": 64, "n_heads": 4, "n_layers": 2, **kw})
+
+    @classmethod
+    def gpt3_175b(cls, **kw: Any) -> GPTConfig:
+        """GPT-3 175B (Brown et al. 2020, Table 2.1: 96 layers, d_model 12288, 96 heads, context 2048), with
+        Megatron-LM's vocabulary padded to 51200 (175.2B parameters: this family does not tie the head)."""
+        return cls(**{"vocab_size": 51200, "seq_len": 2048, "d_model": 12288, "n_heads": 96, "n_layers": 96, **kw})
+
+    @classmethod
+    def bert_large(cls, **kw: Any) -> GPTConfig:
+        """BERT-Large's shapes (Devlin et al. 2019: 24 layers, d_model 1024, 16 heads, 512 positions, WordPiece
+        vocabulary 30522; 0.36B parameters with this family's head): its attention is bidirectional where this
+        block is causal, which changes neither the shapes, the FLOPs nor the memory a plan is priced on."""
+        return cls(**{"vocab_size": 30522, "seq_len": 512, "d_model": 1024, "n_heads": 16, "n_layers": 24, **kw})
 
     def num_params(self) -> int:
         """Exact parameter count (embeddings included)."""
@@ -119,10 +137,14 @@ class Block(nnx.Module):
         r1, r2 = jax.random.split(rng) if rng is not None else (None, None)
         q, k, v = jnp.split(self.qkv(self.ln1(x)), 3, axis=-1)
         q, k, v = (t.reshape(b, s, nh, d // nh) for t in (q, k, v))
-        att = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(d // nh).astype(x.dtype)
-        mask = jnp.tril(jnp.ones((s, s), bool))
-        att = jax.nn.softmax(jnp.where(mask, att, jnp.finfo(att.dtype).min), axis=-1)
-        y = jnp.einsum("bhqk,bkhd->bqhd", att, v).reshape(b, s, d)
+
+        def attend(qb: jax.Array, first: jax.Array) -> jax.Array:
+            att = jnp.einsum("bqhd,bkhd->bhqk", qb, k) / jnp.sqrt(d // nh).astype(x.dtype)
+            mask = causal_mask(first, qb.shape[1], s)
+            att = jax.nn.softmax(jnp.where(mask, att, jnp.finfo(att.dtype).min), axis=-1)
+            return jnp.einsum("bhqk,bkhd->bqhd", att, v)
+
+        y = query_blocks(attend, q, self.cfg.attention_block).reshape(b, s, d)
         x = x + self._drop(self.proj(y), r1)
         return x + self._drop(self.out(jax.nn.gelu(self.fc(self.ln2(x)))), r2)
 

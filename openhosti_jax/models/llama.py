@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from openhosti_jax.errors import StateError
+from openhosti_jax.models.attention import causal_mask, query_blocks
 from openhosti_jax.sharding.rules import LAYER_AXIS
 from openhosti_jax.state.blocks import stack_modules
 
@@ -59,6 +60,8 @@ class LlamaConfig:
     """Compute dtype (parameters stay float32, logits are float32)."""
     scan_layers: bool = False
     """Stack the blocks' parameters over a leading ``"layers"`` axis and run them with ``nnx.scan``."""
+    attention_block: int | None = None
+    """Queries per attention block (`openhosti_jax.models.attention.query_blocks`); None: all at once."""
 
     def __post_init__(self) -> None:
         bad = {
@@ -235,11 +238,15 @@ class Block(nnx.Module):
         k = apply_rope(self.wk(x).reshape(b, s, kvh, hd), cos, sin)
         v = self.wv(x).reshape(b, s, kvh, hd)
         q = q.reshape(b, s, kvh, group, hd)  # query head h = kv head h // group, member h % group
-        att = jnp.einsum("bqngd,bknd->bngqk", q, k) / jnp.sqrt(hd).astype(x.dtype)
-        att = att.astype(jnp.float32)
-        mask = jnp.tril(jnp.ones((s, s), bool))
-        att = jax.nn.softmax(jnp.where(mask, att, jnp.finfo(att.dtype).min), axis=-1).astype(x.dtype)
-        y = jnp.einsum("bngqk,bknd->bqngd", att, v).reshape(b, s, d)
+
+        def attend(qb: jax.Array, first: jax.Array) -> jax.Array:
+            att = jnp.einsum("bqngd,bknd->bngqk", qb, k) / jnp.sqrt(hd).astype(x.dtype)
+            att = att.astype(jnp.float32)
+            mask = causal_mask(first, qb.shape[1], s)
+            att = jax.nn.softmax(jnp.where(mask, att, jnp.finfo(att.dtype).min), axis=-1).astype(x.dtype)
+            return jnp.einsum("bngqk,bknd->bqngd", att, v)
+
+        y = query_blocks(attend, q, self.cfg.attention_block).reshape(b, s, d)
         return self.wo(y)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,7 +23,9 @@ from openhosti_jax.errors import PlanningError
 from openhosti_jax.mesh.build import build_mesh
 from openhosti_jax.mesh.config import MeshConfig
 from openhosti_jax.planner.calibrate import device_profile as resolve_profile
-from openhosti_jax.planner.profiles import DeviceProfile
+from openhosti_jax.planner.cluster import Cluster
+from openhosti_jax.planner.cluster import cluster as resolve_cluster
+from openhosti_jax.planner.profiles import PROFILES, DeviceProfile
 from openhosti_jax.planner.refine import MEASURED_TIE, measured_order, time_plans
 from openhosti_jax.planner.search import (
     enumerate_candidates,
@@ -38,6 +41,7 @@ from openhosti_jax.planner.search import (
 )
 from openhosti_jax.planner.verify import compiled_step_bytes, default_step, step_accumulates
 from openhosti_jax.planner.workload import workload
+from openhosti_jax.policies.remat import REMAT_POLICIES
 from openhosti_jax.sharding.plan import ShardingPlan
 from openhosti_jax.sharding.report import PlanReport
 from openhosti_jax.sharding.rules import DEFAULT_RULES, Rules
@@ -62,6 +66,7 @@ def choose_plan(
     refine: int = 0,
     remat: str | Sequence[str] = "auto",
     precision: str | Sequence[str] = "fp32",
+    cluster: Cluster | str | None = None,
 ) -> tuple[ShardingPlan, PlanReport]:
     """(plan, report): the best `ShardingPlan` for training ``init_fn_or_model`` with ``optimizer`` on ``devices``.
 
@@ -77,28 +82,54 @@ def choose_plan(
     ``remat``: the remat policies the search may use when a plan would not fit without one (``"auto"``: every
     one the devices run; they change no result beyond rounding). ``precision``: the precisions it may use
     (``"fp32"`` by default, ``"auto"`` or names from `openhosti_jax.policies.precision.PRECISIONS`).
+    ``cluster``: plan for a cluster that is not attached (a `Cluster` or a name such as ``"64xH100"`` or
+    ``"v5p-128"``): its devices replace ``devices``, collectives are priced in each host and across hosts, and
+    nothing is compiled (the plan is as predicted).
     Raises `MemoryBudgetError` when nothing fits, naming the smallest achievable memory.
     """
     if not isinstance(refine, int) or refine < 0:
         raise PlanningError(f"refine must be an int >= 0 (candidates to time), found {refine!r}; use 0 to skip")
-    devices = list(devices or jax.devices())
     work = workload(init_fn_or_model, sample_batch, apply_fn=apply_fn)
-    profile = resolve_profile(devices, device_profile, max_bytes=gradient_bytes(work))
-    budget, source = memory_budget_for(devices, profile, memory_budget)
-    candidates = enumerate_candidates(len(devices), pipeline=pipeline, precisions=precision_options(precision))
+    if cluster is not None:
+        where = resolve_cluster(cluster)
+        if device_profile is not None:
+            chosen = PROFILES[device_profile] if isinstance(device_profile, str) else device_profile
+            where = dataclasses.replace(where, profile=chosen)
+        profile, n_devices, verify, refine = where.profile, where.n_devices, False, 0
+        budget = memory_budget if memory_budget is not None else profile.memory_bytes
+        source = "given" if memory_budget is not None else f"the {profile.name} spec sheet"
+        remats = REMAT_POLICIES if remat == "auto" else (remat,) if isinstance(remat, str) else tuple(remat)
+        devices = []
+    else:
+        devices = list(devices or jax.devices())
+        profile = resolve_profile(devices, device_profile, max_bytes=gradient_bytes(work))
+        where, n_devices, remats = profile, len(devices), remat_options(remat, devices)
+        budget, source = memory_budget_for(devices, profile, memory_budget)
+    candidates = enumerate_candidates(
+        n_devices,
+        pipeline=pipeline,
+        precisions=precision_options(precision),
+        max_tensor=where.devices_per_host if isinstance(where, Cluster) and where.hosts > 1 else None,
+        max_stages=work.layer_count,
+    )
     scored = search(
         work,
         optimizer,
         candidates,
-        profile,
+        where,
         rules=rules,
         memory_budget=budget,
-        remats=remat_options(remat, devices),
+        remats=remats,
         accumulates=step_fn is not None and step_accumulates(work, optimizer, step_fn),
     )
     ranked = rank(scored, budget)
     notes = list(why(ranked, scored, budget))
     notes.append(f"device profile: {profile.name}; memory budget: {source}")
+    if isinstance(where, Cluster):
+        notes.append(
+            f"cluster: {where.hosts} host(s) x {where.devices_per_host} {profile.name}, not attached: predicted, "
+            "not compiled"
+        )
     if work.apply_fn is None:
         notes.append("no apply function: activations and FLOPs unknown, chosen on state memory and traffic")
     winner, compiled = ranked[0], None

@@ -6,10 +6,12 @@ the larger of two peaks: the backward's start (every saved activation, the loss'
 gradient leaf, and under ZeRO-3 the gathered full copy of each sharded leaf; the activations are those the remat
 and precision policies keep, from a trace under them, over the microbatch count) and the gradient reduction (XLA's
 combiner makes it one collective whose full input and output are both live; a native reduce-scatter's output is
-the sharded gradient). Time (seconds, no overlap assumed): matmul FLOPs (with the remat policy's recomputation) / peak,
-activation and optimizer-update bytes / memory bandwidth (measured for the step's working set: its predicted
-bytes per device), and every collective priced per leaf by the profile's
-alpha-beta model (all-reduce 2(n-1)/n, all-gather and reduce-scatter (n-1)/n of the bytes over the bandwidth).
+the sharded gradient). Time (seconds): matmul FLOPs (with the remat policy's recomputation) / (peak x the
+profile's matmul efficiency), activation and optimizer-update bytes / memory bandwidth (measured for the step's
+working set: its predicted bytes per device), and every collective priced per leaf by the profile's alpha-beta
+model (all-reduce 2(n-1)/n, all-gather and reduce-scatter (n-1)/n of the bytes over the bandwidth), in each host
+and then across hosts on a `Cluster`; where the profile says the compiler overlaps collectives with compute, a
+step takes the longer of the two, else their sum.
 Gradient reductions pay one latency per kind and group: XLA's all-reduce / reduce-scatter combiners merge them
 into one op (seen in the compiled HLO), while ZeRO-3 gathers stay one per sharded leaf (gathered per use). Without
 a native reduce-scatter (CPU) ZeRO-2/3 gradients are all-reduced over the data-parallel devices, as in ZeRO-0/1.
@@ -30,6 +32,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -37,12 +40,13 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from openhosti_jax.errors import PlanningError
+from openhosti_jax.planner.cluster import Cluster
 from openhosti_jax.planner.profiles import DeviceProfile, bus_bytes
 from openhosti_jax.planner.workload import Workload
 from openhosti_jax.policies.precision import precision
 from openhosti_jax.sharding.plan import ShardingPlan
 from openhosti_jax.sharding.rules import LAYER_AXIS, logical_names
-from openhosti_jax.sharding.specs import is_spec, local_bytes, spec_axes
+from openhosti_jax.sharding.specs import is_spec, local_shape, spec_axes
 from openhosti_jax.sharding.zero import Optimizer
 from openhosti_jax.sizes import tree_bytes
 
@@ -54,8 +58,9 @@ class Estimate:
     memory: dict[str, float]
     """Bytes per device by part: state, batch, temporaries, total."""
     time: dict[str, float]
-    """Seconds per step by part: compute, memory, offload (remat to host), collectives, launch (the program's fixed
-    cost), total."""
+    """Seconds per step by part, per device: compute, memory, offload (remat to host), bubble (a pipeline stage's
+    idle ticks), collectives, launch (the program's fixed cost), total (with overlap, the longer of work and
+    collectives)."""
     comm_bytes: float
     """Bytes each device sends per step (bus traffic of every collective)."""
     tensor_cuts: int = 0
@@ -73,14 +78,18 @@ class Estimate:
         return self.time["total"]
 
 
+@functools.lru_cache(maxsize=2**16)
+def _block_bytes(shape: tuple[int, ...], itemsize: int, spec: P, sizes: tuple[tuple[str, int], ...]) -> int:
+    return math.prod(local_shape(shape, spec, dict(sizes))) * itemsize
+
+
 def _specs(tree: Any) -> list[P]:
     return jax.tree.leaves(tree, is_leaf=is_spec)
 
 
-def _group(spec: P, base: P, sizes: dict[str, int]) -> int:
-    """How many devices share (shard) a leaf beyond its base (tensor-parallel) spec."""
-    extra = set(spec_axes(spec)) - set(spec_axes(base))
-    return math.prod(sizes[a] for a in extra)
+def _group(spec: P, base: P) -> tuple[str, ...]:
+    """The axes that shard a leaf beyond its base (tensor-parallel) spec."""
+    return tuple(a for a in spec_axes(spec) if a not in spec_axes(base))
 
 
 def _tensor_dim(spec: P) -> int | None:
@@ -91,18 +100,26 @@ def estimate(
     plan: ShardingPlan,
     work: Workload,
     tx: Optimizer,
-    profile: DeviceProfile,
+    profile: DeviceProfile | Cluster,
     base_specs: Any | None = None,
     sharded_specs: Any | None = None,
 ) -> Estimate:
-    """Predicted memory and step time of ``plan`` for ``work`` on devices described by ``profile``.
+    """Predicted memory and step time of ``plan`` for ``work`` on devices described by ``profile`` (one host of
+    them) or on a `Cluster` (collectives priced in the hosts, then across them).
 
     ``base_specs`` are the specs before ZeRO (tensor parallel / annotations) and ``sharded_specs`` the fully
     ZeRO-sharded ones; they default to the plan's gradient specs (exact for stage 0 and for stage 3).
     """
     sizes = {a: int(n) for a, n in plan.mesh_shape.items()}
+    cluster = profile if isinstance(profile, Cluster) else Cluster(profile, 1, math.prod(sizes.values()))
+    profile = cluster.profile
     mp = precision(plan.precision)
-    params = jax.tree.leaves(mp.cast_to_param(work.params))
+    params = work.memo(("params", plan.precision), lambda: jax.tree.leaves(mp.cast_to_param(work.params)))
+    sizes_key = tuple(sorted(sizes.items()))
+
+    def local_bytes(x: Any, spec: P, _: Any) -> int:  # memoised: the search prices the same leaves many times
+        return _block_bytes(tuple(x.shape), x.dtype.itemsize, spec, sizes_key)
+
     policy = work.policy_activations(plan.remat, plan.precision)
     if policy is None:
         raise PlanningError(
@@ -113,7 +130,7 @@ def estimate(
     p_specs, g_specs = _specs(plan.param_specs), _specs(plan.grad_specs)
     base = _specs(base_specs) if base_specs is not None else g_specs
     sharded = _specs(sharded_specs) if sharded_specs is not None else g_specs
-    opt = jax.tree.leaves(work.opt_state(tx))
+    opt = work.memo(("opt", id(tx)), lambda: jax.tree.leaves(work.opt_state(tx)))
     o_specs = _specs(plan.opt_specs)
     dp, t = plan.data_parallel_size, sizes.get("tensor", 1)
     stages = sizes.get("stage", 1)
@@ -125,12 +142,15 @@ def estimate(
     grads_full = sum(grad_full)
     # ZeRO-3 gathers a full copy of each sharded leaf for its use (the local shard stays in the arguments)
     # (a leaf stacked over a scanned "layers" axis is gathered a layer at a time, the next one prefetched)
+    names_ = work.memo(("names",), lambda: logical_names(work.params))
     gathered = sum(
         g * (min(2 / x.shape[0], 1.0) if names and names[0] == LAYER_AXIS else 1.0)
-        for g, ps, bs, x, names in zip(grad_full, p_specs, base, params, logical_names(work.params), strict=True)
+        for g, ps, bs, x, names in zip(grad_full, p_specs, base, params, names_, strict=True)
         if spec_axes(ps) != spec_axes(bs)
     )
     act_per_example, split_share, reshard, cuts = work.tensor_split(tuple(_tensor_dim(bs) for bs in base), t)
+    # every activation is written in the forward and read in the backward, the recomputed ones once more
+    act_traffic = 2 * act_per_example * b_local * policy.flops_factor
     if work.activation_bytes_per_example:  # the policy's share of the (tensor-split) activations
         act_per_example *= policy.bytes_per_example / work.activation_bytes_per_example
     act = act_per_example * b_local / k
@@ -157,54 +177,58 @@ def estimate(
     comm_s, comm_b = 0.0, 0.0
     upd_param = 0.0  # parameter bytes each device updates
 
-    def coll(kind: str, nbytes: float, n: int) -> None:
+    def coll(kind: str, nbytes: float, axes: tuple[str, ...]) -> None:
         nonlocal comm_s, comm_b
+        n = math.prod(sizes.get(a, 1) for a in axes)
         if n > 1 and nbytes > 0:
-            comm_s += profile.collective_seconds(kind, nbytes, n)
+            comm_s += cluster.collective_seconds(kind, nbytes, sizes, axes)
             comm_b += bus_bytes(kind, nbytes, n)
 
-    combined: dict[tuple[str, int], float] = {}  # gradient reductions: XLA's combiners fuse them per kind
+    combined: dict[tuple[str, tuple[str, ...]], float] = {}  # gradient reductions: XLA's combiners fuse them per kind
 
-    def grad_sync(kind: str, nbytes: float, n: int) -> None:
-        if n > 1 and nbytes > 0:
-            combined[(kind, n)] = combined.get((kind, n), 0.0) + nbytes
+    def grad_sync(kind: str, nbytes: float, axes: tuple[str, ...]) -> None:
+        if math.prod(sizes.get(a, 1) for a in axes) > 1 and nbytes > 0:
+            combined[(kind, axes)] = combined.get((kind, axes), 0.0) + nbytes
 
+    dp_axes = tuple(spec_axes(plan.batch_spec))
     for x, zs, bs in zip(params, sharded, base, strict=True):
         full = local_bytes(x, bs, sizes)
-        z = _group(zs, bs, sizes) if plan.zero_stage >= 1 else 1
+        z = _group(zs, bs) if plan.zero_stage >= 1 else ()
         if plan.zero_stage >= 2 and profile.native_reduce_scatter:
             grad_sync("reduce_scatter", full, z)
-            grad_sync("all_reduce", full / z, dp // z)
+            grad_sync("all_reduce", full / math.prod(sizes[a] for a in z), tuple(a for a in dp_axes if a not in z))
         else:
-            grad_sync("all_reduce", full, dp)
+            grad_sync("all_reduce", full, dp_axes)
         coll("all_gather", full, z)
-        upd_param += full / z
-    for (kind, n), size in combined.items():
-        coll(kind, size, n)
+        upd_param += full / math.prod(sizes[a] for a in z)
+    for (kind, axes), size in combined.items():
+        coll(kind, size, axes)
     tokens = b_local * work.tokens_per_example
     if t > 1:
         for x, bs in zip(params, base, strict=True):
             if len(x.shape) == 2 and "tensor" in spec_axes(bs):
                 width = x.shape[1] if bs[0] is not None else x.shape[0]
-                coll("all_reduce", tokens * width * work.activation_itemsize, t)
+                coll("all_reduce", tokens * width * work.activation_itemsize, ("tensor",))
         # values whose split the ops cannot carry are gathered forward and reduce-scattered backward
-        coll("all_gather", reshard * b_local, t)
-        coll("reduce_scatter", reshard * b_local, t)
+        coll("all_gather", reshard * b_local, ("tensor",))
+        coll("reduce_scatter", reshard * b_local, ("tensor",))
     flops = work.flops_per_example * b_local * (1 - split_share + split_share / t) * policy.flops_factor
     if stages > 1:  # the pipeline's backward recomputes its chunk's forward from the stored input
         flops *= 4 / 3
-    mem_bytes = 2 * act + 2 * upd_param + upd_param + 2 * opt_local
-    compute = flops / profile.peak_flops
+    mem_bytes = act_traffic + 2 * upd_param + upd_param + 2 * opt_local
+    compute = flops / (profile.peak_flops * profile.matmul_efficiency)
     offload = 2 * policy.host_bytes_per_example * b_local / profile.host_bandwidth  # out to the host and back
     bandwidth = profile.memory_seconds(mem_bytes, memory["total"])  # a small step streams from the caches
     bubble = 1.0 + (stages - 1) / max(plan.num_microbatches, stages) if stages > 1 else 1.0
     # each further microbatch is one more trip through the accumulation loop (a launch's fixed cost)
     launches = 1 if stages > 1 else k  # a pipeline's microbatches are ticks of one program
-    total = (compute + bandwidth + offload) / stages * bubble + comm_s + profile.launch_seconds * launches
-    time = {
-        "compute": compute,
-        "memory": bandwidth,
-        "offload": offload,
+    work_s = (compute + bandwidth + offload) / stages * bubble
+    total = (max(work_s, comm_s) if profile.overlap else work_s + comm_s) + profile.launch_seconds * launches
+    time = {  # per device: a stage does 1/S of its replica's work, and waits in the bubble
+        "compute": compute / stages,
+        "memory": bandwidth / stages,
+        "offload": offload / stages,
+        "bubble": work_s - (compute + bandwidth + offload) / stages,
         "collectives": comm_s,
         "launch": profile.launch_seconds,
         "total": total,

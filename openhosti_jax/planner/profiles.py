@@ -62,6 +62,22 @@ class DeviceProfile:
     (default: PCIe Gen4 x16). The H100 and H200 profiles take PCIe Gen5's 55 GB/s: an H200 step that offloaded
     6.4 GB of activations measured 0.22 s slower than keeping them (``benchmarks/gpu_memory.py``), 58 GB/s."""
 
+    devices_per_host: int = 8
+    """Devices in one host (a node): the group the intra-node link joins (`openhosti_jax.planner.cluster`)."""
+    dcn_bandwidth: float = 25e9
+    """Bytes/s each device sends across hosts, one way (its share of the node's InfiniBand / DCN)."""
+    dcn_latency: float = 10e-6
+    """Seconds of fixed cost per step of a cross-host collective (one per doubling of the host count)."""
+    matmul_efficiency: float = 1.0
+    """Fraction of ``peak_flops`` that large matmuls reach (a measured GEMM benchmark; 1.0: the peak)."""
+    overlap: bool = False
+    """Whether the compiler overlaps collectives with compute (XLA's latency-hiding scheduler on GPU and TPU):
+    a step then takes the longer of compute and communication, not their sum (XLA's CPU backend does not)."""
+    fp8_flops: float | None = None
+    """Dense fp8 (TPU: int8) FLOP/s, where the device has them."""
+    sources: tuple[str, ...] = ()
+    """Where the numbers come from."""
+
     def __post_init__(self) -> None:
         problems = [
             f"{k}={getattr(self, k)!r} must be > 0"
@@ -100,6 +116,13 @@ class DeviceProfile:
             )
         if self.launch_seconds < 0:
             problems.append(f"launch_seconds={self.launch_seconds!r} must be >= 0")
+        if not 0 < self.matmul_efficiency <= 1:
+            problems.append(f"matmul_efficiency={self.matmul_efficiency!r} must be in (0, 1]")
+        if self.devices_per_host < 1 or self.dcn_bandwidth <= 0 or self.dcn_latency < 0:
+            problems.append(
+                f"devices_per_host={self.devices_per_host!r} must be >= 1, dcn_bandwidth={self.dcn_bandwidth!r} "
+                f"> 0 and dcn_latency={self.dcn_latency!r} >= 0"
+            )
         if self.link_latency < 0:
             problems.append(f"link_latency={self.link_latency!r} must be >= 0")
         if problems:

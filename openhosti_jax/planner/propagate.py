@@ -69,7 +69,7 @@ def _dot(eqn: Any, dl: Dim, dr: Dim) -> tuple[Dim, bool]:
 
 
 def _sub_jaxpr(eqn: Any) -> Any | None:
-    if eqn.primitive.name in ("scan", "while", "cond"):  # carried / sliced operands shift dims: not followed
+    if eqn.primitive.name in ("scan", "while", "cond"):  # carried / sliced operands shift dims (scan: above)
         return None
     for key in ("jaxpr", "call_jaxpr"):
         sub = eqn.params.get(key)
@@ -133,6 +133,16 @@ def propagate(jaxpr: Any, in_dims: Sequence[Dim], t: int) -> Propagation:
 
     for eqn in jaxpr.eqns:
         ins = [get(v) for v in eqn.invars]
+        if eqn.primitive.name == "scan":  # scanned layers: the body sees each slice (the scanned dim dropped)
+            nc, nk, length = eqn.params["num_consts"], eqn.params["num_carry"], eqn.params["length"]
+            body = eqn.params["jaxpr"].jaxpr
+            sliced = [None if d in (None, 0) else d - 1 for d in ins[nc + nk :]]
+            inner, n, r, c = propagate(body, [*ins[: nc + nk], *sliced], t)
+            splits, reshard, cut = splits + n * length, reshard + r * length, cut + c
+            outs = [None if isinstance(v, Literal) else inner.get(v) for v in body.outvars]
+            for i, o in enumerate(eqn.outvars):  # carries as the body leaves them, stacked outputs one dim later
+                dims[o] = outs[i] if i < nk or outs[i] is None else outs[i] + 1
+            continue
         sub = _sub_jaxpr(eqn)
         if sub is not None:
             inner, n, r, c = propagate(sub, ins, t)

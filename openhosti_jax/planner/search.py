@@ -29,6 +29,7 @@ from openhosti_jax.mesh.build import mesh_sizes
 from openhosti_jax.mesh.config import AXES
 from openhosti_jax.mesh.memory import device_memory_limit
 from openhosti_jax.planner.calibrate import device_profile
+from openhosti_jax.planner.cluster import Cluster
 from openhosti_jax.planner.cost import Estimate, estimate
 from openhosti_jax.planner.profiles import DeviceProfile
 from openhosti_jax.planner.verify import compiled_step_bytes, step_accumulates
@@ -94,12 +95,21 @@ class Scored:
 
 
 def enumerate_candidates(
-    n_devices: int, *, pipeline: bool = False, tensor: bool = True, precisions: Sequence[str] = ("fp32",)
+    n_devices: int,
+    *,
+    pipeline: bool = False,
+    tensor: bool = True,
+    precisions: Sequence[str] = ("fp32",),
+    max_tensor: int | None = None,
+    max_stages: int | None = None,
 ) -> list[Candidate]:
-    """Every distinct (mesh shape, ZeRO stage) for ``n_devices``, once per precision of ``precisions``."""
+    """Every distinct (mesh shape, ZeRO stage) for ``n_devices``, once per precision of ``precisions``
+    (``max_tensor``: the largest tensor axis, e.g. the devices of one host: a tensor-parallel group that crosses
+    hosts all-reduces every layer's activations over the slow link; ``max_stages``: the most pipeline stages, the
+    model's layer count)."""
     out = []
-    for s in divisors(n_devices) if pipeline else [1]:
-        for t in divisors(n_devices // s) if tensor else [1]:
+    for s in [s for s in divisors(n_devices) if max_stages is None or s <= max_stages] if pipeline else [1]:
+        for t in [t for t in divisors(n_devices // s) if max_tensor is None or t <= max_tensor] if tensor else [1]:
             rest = n_devices // (s * t)
             for f in divisors(rest):
                 shape = {"stage": s, "data": rest // f, "fsdp": f, "tensor": t}
@@ -113,15 +123,27 @@ def score(
     work: Workload,
     tx: Optimizer,
     candidate: Candidate,
-    profile: DeviceProfile,
+    profile: DeviceProfile | Cluster,
     *,
     rules: Rules = DEFAULT_RULES,
     min_elements: int = DEFAULT_MIN_ELEMENTS,
     sharded_specs: Any | None = None,
+    cache: dict | None = None,
 ) -> Scored:
     """The plan and predicted cost of one candidate (``sharded_specs``: its fully ZeRO-sharded parameter specs,
-    when already known for its mesh shape)."""
+    when already known for its mesh shape; ``cache``: a dict in which the specs of candidates that differ only in
+    remat policy and microbatch count are made once)."""
     sizes = candidate.mesh_shape
+    microbatches = (
+        candidate.microbatches
+        if sizes["stage"] == 1 or candidate.microbatches > 1
+        else pipeline_microbatches(work, candidate)
+    )
+    key = (tuple(sizes.items()), candidate.zero_stage, candidate.zero_axes, candidate.precision)
+    if cache is not None and key in cache:
+        plan, base, sharded, tx = cache[key]
+        plan = dataclasses.replace(plan, remat=candidate.remat, num_microbatches=microbatches)
+        return Scored(candidate, plan, estimate(plan, work, tx, profile, base, sharded))
     treedef = jax.tree.structure(work.params)
     base = jax.tree.unflatten(treedef, base_specs(work.params, sizes, rules))
     tx = optimizer_for(tx, candidate.precision)
@@ -136,7 +158,7 @@ def score(
         pipeline_stages=sizes["stage"],
         remat=candidate.remat,
         precision=candidate.precision,
-        num_microbatches=candidate.microbatches if sizes["stage"] == 1 else pipeline_microbatches(work, candidate),
+        num_microbatches=microbatches,
         pipeline_schedule="1f1b",
     )
     if plan.zero_stage == 3:
@@ -147,6 +169,8 @@ def score(
         sharded = zero_specs(
             work.params, tx, sizes, 3, base_specs=base, axes=candidate.zero_axes, min_elements=min_elements
         )[0]
+    if cache is not None:
+        cache[key] = (plan, base, sharded, tx)
     return Scored(candidate, plan, estimate(plan, work, tx, profile, base, sharded))
 
 
@@ -171,10 +195,15 @@ def gradient_bytes(work: Workload) -> int:
 
 def policy_variants(candidate: Candidate, work: Workload, remats: Sequence[str], accumulates: bool) -> list[Candidate]:
     """``candidate`` with each remat policy in ``remats`` that the model applies and, when the step accumulates
-    gradients, each power-of-two microbatch count that divides the per-device batch; the plain one excluded."""
-    dp = candidate.mesh_shape["data"] * candidate.mesh_shape["fsdp"]
+    gradients, each power-of-two microbatch count that divides the per-device batch (a pipelined one: each count
+    of S x 2^i microbatches above its default that divides the per-replica batch); the plain one excluded."""
+    dp, s = candidate.mesh_shape["data"] * candidate.mesh_shape["fsdp"], candidate.mesh_shape["stage"]
     local = work.global_batch // dp
-    counts = [k for k in (2**i for i in range(local.bit_length())) if local % k == 0] if accumulates else [1]
+    if s > 1:  # a pipeline's microbatches: more of them hold fewer activations in flight (down to one example)
+        counts = [m for m in (s * 2**i for i in range(local.bit_length())) if m <= local and local % m == 0]
+        counts = [1] + [m for m in counts if m > pipeline_microbatches(work, candidate)]  # 1: the default
+    else:
+        counts = [k for k in (2**i for i in range(local.bit_length())) if local % k == 0] if accumulates else [1]
     out = []
     for k in counts:
         for r in remats:
@@ -189,7 +218,7 @@ def search(
     work: Workload,
     tx: Optimizer,
     candidates: Sequence[Candidate],
-    profile: DeviceProfile,
+    profile: DeviceProfile | Cluster,
     *,
     memory_budget: int | None = None,
     remats: Sequence[str] = ("none",),
@@ -203,6 +232,7 @@ def search(
     without them is never slower with them."""
     found: list[tuple[int, int, Scored]] = []
     sharded: dict[Any, Any] = {}
+    kw.setdefault("cache", {})
     position = {id(c): i for i, c in enumerate(candidates)}
     for c in sorted(candidates, key=lambda c: -c.zero_stage):  # stage 3 first: its specs serve 1 and 2
         dp = c.mesh_shape["data"] * c.mesh_shape["fsdp"]
@@ -392,6 +422,7 @@ def report_for(
         predicted_bytes=e.bytes,
         predicted_seconds=e.seconds,
         predicted_comm_bytes=int(e.comm_bytes),
+        predicted_parts={"time": dict(e.time), "memory": dict(e.memory)},
         compiled_bytes=compiled_bytes,
         candidates=tuple(s.row() for s in ranked),
         notes=tuple(notes),

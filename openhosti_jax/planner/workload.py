@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -30,7 +31,7 @@ from openhosti_jax.errors import BatchError
 from openhosti_jax.flops import count_flops
 from openhosti_jax.planner.propagate import propagate
 from openhosti_jax.policies.remat import RECOMPUTE_FRACTION
-from openhosti_jax.sharding.rules import unbox
+from openhosti_jax.sharding.rules import LAYER_AXIS, logical_names, unbox
 from openhosti_jax.sizes import leaf_bytes
 from openhosti_jax.state.context import active_policies
 from openhosti_jax.state.contracts import ApplyFn
@@ -77,6 +78,21 @@ class Workload:
     step_fn: Any = None
     """The user's step the workload was measured from (`measure_step`), traced again under each policy."""
     _split_cache: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
+
+    @property
+    def layer_count(self) -> int | None:
+        """The length of the parameters' ``"layers"`` axis (scanned blocks), or None when no leaf has one."""
+        for x, names in zip(jax.tree.leaves(self.params), logical_names(self.params), strict=True):
+            if names and names[0] == LAYER_AXIS:
+                return int(x.shape[0])
+        return None
+
+    def memo(self, key: tuple, make: Callable[[], Any]) -> Any:
+        """``make()``, made once per ``key`` (the search prices one workload thousands of times)."""
+        key = ("memo", *key)
+        if key not in self._split_cache:
+            self._split_cache[key] = make()
+        return self._split_cache[key]
 
     def opt_state(self, tx: Any) -> Any:
         """The abstract optimizer state of ``tx`` for ``params`` (traced once per optimizer); ``tx`` may be that

@@ -24,6 +24,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 from openhosti_jax.sharding.plan import ShardingPlan
@@ -64,6 +65,8 @@ class PlanReport:
     """Cost model's step time, if a cost model was run."""
     predicted_comm_bytes: int | None = None
     """Cost model's bytes sent per device per step by collectives."""
+    predicted_parts: Mapping[str, Mapping[str, float]] | None = None
+    """Cost model's parts: ``{"time": {"compute": s, ...}, "memory": {"state": bytes, ...}}``."""
     compiled_bytes: int | None = None
     """Per-device bytes of the AOT-compiled step's `memory_analysis()`, if it was compiled."""
     candidates: tuple[CandidateRow, ...] = ()

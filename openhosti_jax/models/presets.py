@@ -1,0 +1,88 @@
+"""Published model shapes by name, built from the bundled families for planning at scale (abstractly: the planner
+never allocates their parameters): ``gpt3-175b``, ``bert-large``, ``llama2-7b``, ``llama2-70b``, ``llama3-8b``,
+``llama3-70b``, ``llama3-405b``, or a Llama-family shape from its dimensions.
+
+Each is built with its blocks scanned (one layer's parameters gathered at a time under ZeRO-3) and attention over
+blocks of queries (activations linear in the sequence, as flash attention's), as large runs train them.
+
+Example:
+    >>> m = model_preset("llama3-8b", seq_len=4096)
+    >>> m.name, m.config.seq_len, f"{m.config.num_params() / 1e9:.2f}B"
+    ('llama3-8b', 4096, '8.03B')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+from flax import nnx
+
+from openhosti_jax.errors import StateError
+from openhosti_jax.models.gpt import GPT, GPTConfig
+from openhosti_jax.models.llama import Llama, LlamaConfig
+
+_PRESETS: dict[str, tuple[type, Callable[..., Any]]] = {
+    "gpt3-175b": (GPT, GPTConfig.gpt3_175b),
+    "bert-large": (GPT, GPTConfig.bert_large),
+    "llama2-7b": (Llama, LlamaConfig.llama2_7b),
+    "llama2-70b": (Llama, LlamaConfig.llama2_70b),
+    "llama3-8b": (Llama, LlamaConfig.llama3_8b),
+    "llama3-70b": (Llama, LlamaConfig.llama3_70b),
+    "llama3-405b": (Llama, LlamaConfig.llama3_405b),
+}
+PRESETS: tuple[str, ...] = tuple(_PRESETS)
+"""The preset names."""
+
+ATTENTION_BLOCK = 512
+"""Queries per attention block of the presets (at most; the largest power-of-two part of it that divides the
+sequence length)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelPreset:
+    """A named model shape and how to build it."""
+
+    name: str
+    config: Any
+    """Its `GPTConfig` or `LlamaConfig`."""
+    family: type
+
+    def init(self, rngs: Any) -> nnx.Module:
+        """The module (an init function as the planner takes, ``init(rng)``)."""
+        return self.family(self.config, rngs=nnx.Rngs(rngs))
+
+    @property
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token by the family's formula (what MFU counts)."""
+        return self.config.flops_per_token()
+
+
+def model_preset(name: str, **overrides: Any) -> ModelPreset:
+    """The preset ``name`` (see `PRESETS`), its config fields overridden (``seq_len=``, ``vocab_size=``, ...)."""
+    if name not in _PRESETS:
+        raise StateError(f"unknown model preset {name!r}; expected one of {PRESETS}, or give the dimensions")
+    family, make = _PRESETS[name]
+    seq = overrides.get("seq_len") or make().seq_len
+    defaults = {"scan_layers": True, "attention_block": math.gcd(ATTENTION_BLOCK, seq)}
+    return ModelPreset(name, make(**{**defaults, **overrides}), family)
+
+
+def llama_shape(
+    *, layers: int, d_model: int, heads: int, kv_heads: int | None, ffn: int, vocab: int, seq: int
+) -> ModelPreset:
+    """A Llama-family model of these dimensions (grouped-query attention with ``kv_heads``)."""
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        seq_len=seq,
+        d_model=d_model,
+        n_heads=heads,
+        n_kv_heads=kv_heads or heads,
+        ffn=ffn,
+        n_layers=layers,
+        scan_layers=True,
+        attention_block=math.gcd(ATTENTION_BLOCK, seq),
+    )
+    return ModelPreset(f"llama-{layers}x{d_model}", cfg, Llama)

@@ -1,0 +1,113 @@
+"""A cluster the planner prices, attached or not: hosts x devices per host of one device profile.
+
+The mesh is laid out as `openhosti_jax.mesh.build_mesh` lays it out with ``dcn`` factors (as MaxText's ``ici_*`` /
+``dcn_*``): axes in `openhosti_jax.mesh.AXES` order, the innermost ones filling a host first, so that an axis's
+size is its ICI (inside a host) factor times its DCN (across hosts) factor. A collective over a group of axes runs
+hierarchically: within each host over the ICI factor (NVLink, ICI), then across hosts over the DCN factor (InfiniBand,
+DCN) on the share each device holds, at the profile's ``dcn_bandwidth``.
+
+Example:
+    >>> c = cluster("64xH100")
+    >>> c.hosts, c.devices_per_host, c.n_devices
+    (8, 8, 64)
+    >>> c.factors({"stage": 1, "data": 8, "fsdp": 8, "tensor": 1})  # (ICI, DCN) per axis: data spans the hosts
+    {'stage': (1, 1), 'data': (1, 8), 'fsdp': (8, 1), 'tensor': (1, 1)}
+    >>> cluster("v5p-128").n_devices  # 128 TensorCores: 64 chips, 4 per host
+    64
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Mapping, Sequence
+
+from openhosti_jax.errors import PlanningError
+from openhosti_jax.mesh.config import AXES
+from openhosti_jax.planner.profiles import PROFILES, DeviceProfile, bus_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """``hosts`` hosts of ``devices_per_host`` devices described by ``profile``."""
+
+    profile: DeviceProfile
+    hosts: int = 1
+    devices_per_host: int = 1
+
+    def __post_init__(self) -> None:
+        if self.hosts < 1 or self.devices_per_host < 1:
+            raise PlanningError(
+                f"a cluster needs hosts >= 1 and devices_per_host >= 1; found {self.hosts} x {self.devices_per_host}"
+            )
+
+    @property
+    def n_devices(self) -> int:
+        """Devices in the cluster."""
+        return self.hosts * self.devices_per_host
+
+    def factors(self, mesh_shape: Mapping[str, int]) -> dict[str, tuple[int, int]]:
+        """Axis -> (ICI factor, DCN factor): the innermost axes fill a host first."""
+        room, ici = self.devices_per_host, {}
+        for axis in reversed(AXES):
+            ici[axis] = math.gcd(int(mesh_shape.get(axis, 1)), room)
+            room //= ici[axis]
+        return {a: (ici[a], int(mesh_shape.get(a, 1)) // ici[a]) for a in AXES}
+
+    def collective_seconds(self, kind: str, nbytes: float, mesh_shape: Mapping[str, int], axes: Sequence[str]) -> float:
+        """Seconds of one collective of ``kind`` on a full buffer of ``nbytes`` over the groups spanning ``axes``:
+        inside each host (the profile's link model), then across hosts on each device's share."""
+        f = self.factors(mesh_shape)
+        within = math.prod(f[a][0] for a in axes)
+        across = math.prod(f[a][1] for a in axes)
+        local = self.profile.collective_seconds
+        if across == 1:
+            return local(kind, nbytes, within)
+        share = nbytes / within  # each device's part of the buffer after the in-host step
+        remote = self.dcn_seconds(kind, share, across)
+        if kind == "all_reduce":  # reduce-scatter in the host, all-reduce across, all-gather in the host
+            return local("reduce_scatter", nbytes, within) + remote + local("all_gather", nbytes, within)
+        return remote + local(kind, nbytes, within)
+
+    def dcn_seconds(self, kind: str, nbytes: float, n: int) -> float:
+        """Seconds of a collective over ``n`` hosts on ``nbytes`` per device, each device on its own share of the
+        host's network (`DeviceProfile.dcn_bandwidth`)."""
+        p = self.profile
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        return p.dcn_latency * math.ceil(math.log2(n)) + bus_bytes(kind, nbytes, n) / p.dcn_bandwidth
+
+
+_TPU_CORES_PER_CHIP = {"v4": 2, "v5p": 2, "v5e": 1, "v6e": 1}
+_TPU_NAMES = {"v4": "TPU v4", "v5p": "TPU v5p", "v5e": "TPU v5e", "v6e": "TPU v6e"}
+
+
+def cluster(spec: str | Cluster, profiles: Mapping[str, DeviceProfile] = PROFILES) -> Cluster:
+    """A `Cluster` from ``"NxKIND"`` (``"8xH100"``: N devices, in hosts of the profile's ``devices_per_host``),
+    ``"HxDxKIND"`` (``"2x8xH100"``: H hosts of D) or a TPU slice name (``"v5p-128"``, ``"v4-64"``: TensorCores;
+    ``"v5e-256"``, ``"v6e-64"``: chips)."""
+    if isinstance(spec, Cluster):
+        return spec
+    names = {k.lower().replace(" ", ""): k for k in profiles}
+    tpu = re.fullmatch(r"(v4|v5p|v5e|v6e)-(\d+)", spec.strip().lower())
+    gpu = re.fullmatch(r"(?:(\d+)x)?(\d+)x([A-Za-z0-9 ]+)", spec.strip())
+    if tpu:
+        profile = profiles[_TPU_NAMES[tpu[1]]]
+        chips = int(tpu[2]) // _TPU_CORES_PER_CHIP[tpu[1]]
+    elif gpu and gpu[3].lower().replace(" ", "") in names:
+        profile = profiles[names[gpu[3].lower().replace(" ", "")]]
+        chips = int(gpu[2]) * (int(gpu[1]) if gpu[1] else 1)
+        if gpu[1]:
+            return Cluster(profile, int(gpu[1]), int(gpu[2]))
+    else:
+        raise PlanningError(
+            f"unknown cluster {spec!r}: expected 'NxKIND' (e.g. '64xH100'), 'HOSTSxPER_HOSTxKIND' (e.g. '8x8xH100') "
+            f"or a TPU slice ('v5p-128', 'v5e-256'), KIND one of {sorted(profiles)}"
+        )
+    per_host = min(profile.devices_per_host, chips)
+    if chips % per_host:
+        raise PlanningError(
+            f"{spec!r}: {chips} devices do not fill hosts of {per_host}; use a multiple of {per_host} devices"
+        )
+    return Cluster(profile, chips // per_host, per_host)
