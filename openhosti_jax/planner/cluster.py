@@ -19,6 +19,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -49,11 +50,7 @@ class Cluster:
 
     def factors(self, mesh_shape: Mapping[str, int]) -> dict[str, tuple[int, int]]:
         """Axis -> (ICI factor, DCN factor): the innermost axes fill a host first."""
-        room, ici = self.devices_per_host, {}
-        for axis in reversed(AXES):
-            ici[axis] = math.gcd(int(mesh_shape.get(axis, 1)), room)
-            room //= ici[axis]
-        return {a: (ici[a], int(mesh_shape.get(a, 1)) // ici[a]) for a in AXES}
+        return dict(_factors(self.devices_per_host, tuple(int(mesh_shape.get(a, 1)) for a in AXES)))
 
     def collective_seconds(self, kind: str, nbytes: float, mesh_shape: Mapping[str, int], axes: Sequence[str]) -> float:
         """Seconds of one collective of ``kind`` on a full buffer of ``nbytes`` over the groups spanning ``axes``:
@@ -77,6 +74,16 @@ class Cluster:
         if n <= 1 or nbytes <= 0:
             return 0.0
         return p.dcn_latency * math.ceil(math.log2(n)) + bus_bytes(kind, nbytes, n) / p.dcn_bandwidth
+
+
+@functools.lru_cache(maxsize=4096)
+def _factors(per_host: int, sizes: tuple[int, ...]) -> tuple[tuple[str, tuple[int, int]], ...]:
+    room, out = per_host, {}
+    for axis, n in reversed(list(zip(AXES, sizes, strict=True))):
+        ici = math.gcd(n, room)
+        room //= ici
+        out[axis] = (ici, n // ici)
+    return tuple((a, out[a]) for a in AXES)
 
 
 _TPU_CORES_PER_CHIP = {"v4": 2, "v5p": 2, "v5e": 1, "v6e": 1}

@@ -83,8 +83,17 @@ def _block_bytes(shape: tuple[int, ...], itemsize: int, spec: P, sizes: tuple[tu
     return math.prod(local_shape(shape, spec, dict(sizes))) * itemsize
 
 
+_LEAVES: dict[int, tuple[Any, list[P]]] = {}
+
+
 def _specs(tree: Any) -> list[P]:
-    return jax.tree.leaves(tree, is_leaf=is_spec)
+    """The spec leaves of ``tree``, remembered for the last few trees (a search prices each plan's specs under many
+    policies; the tree is held, so its id stays its own)."""
+    if id(tree) not in _LEAVES:
+        if len(_LEAVES) >= 64:
+            del _LEAVES[next(iter(_LEAVES))]
+        _LEAVES[id(tree)] = (tree, jax.tree.leaves(tree, is_leaf=is_spec))
+    return _LEAVES[id(tree)][1]
 
 
 def _group(spec: P, base: P) -> tuple[str, ...]:

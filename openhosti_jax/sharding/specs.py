@@ -11,6 +11,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -76,6 +77,7 @@ def _entry_axes(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
+@functools.lru_cache(maxsize=4096)
 def spec_axes(spec: P) -> tuple[str, ...]:
     """Every mesh axis a spec names, in order."""
     return tuple(a for entry in spec for a in _entry_axes(entry))

@@ -65,6 +65,20 @@ def mirror_specs(tree: Any, params: Any, leaf_specs: Any) -> Any:
     return jax.tree_util.tree_map_with_path(spec, tree)
 
 
+_ABSTRACT: dict[tuple[int, int], tuple[Any, Any, Any]] = {}
+
+
+def _abstract_state(tx: optax.GradientTransformation, params: Any) -> Any:
+    """``jax.eval_shape(tx.init, params)``, remembered for the last few (tx, params) pairs: a search asks for the
+    same one per candidate (the pair is held, so its ids stay theirs)."""
+    key = (id(tx), id(params))
+    if key not in _ABSTRACT:
+        if len(_ABSTRACT) >= 8:
+            del _ABSTRACT[next(iter(_ABSTRACT))]
+        _ABSTRACT[key] = (tx, params, jax.eval_shape(tx.init, params))
+    return _ABSTRACT[key][2]
+
+
 def opt_state_specs(tx: Optimizer, params: Any, leaf_specs: Any) -> Any:
     """Specs for the optimizer's state: each parameter-shaped leaf (Adam mu, nu, ...) gets its parameter's spec,
     everything else (counts, scalars) is replicated. ``tx`` may be the abstract state itself (`mirror_specs`)."""
@@ -72,7 +86,7 @@ def opt_state_specs(tx: Optimizer, params: Any, leaf_specs: Any) -> Any:
         return None
     if not isinstance(tx, optax.GradientTransformation):
         return mirror_specs(tx, params, leaf_specs)
-    abstract_state = jax.eval_shape(tx.init, params)
+    abstract_state = _abstract_state(tx, params)
     return optax.tree_map_params(
         tx,
         lambda _, spec: spec,
