@@ -41,6 +41,45 @@ def test_cluster_names_and_axis_placement():
         cluster("64xB9000")
 
 
+def test_every_device_type_has_a_cited_profile():
+    kinds = {"H100", "H200", "A100", "TPU v4", "TPU v5e", "TPU v5p", "TPU v6e"}
+    assert kinds <= set(PROFILES)
+    for name in kinds:
+        p = PROFILES[name]
+        assert p.sources and all(p.sources), name
+        assert p.memory_bytes and p.peak_flops > 0 and p.dcn_bandwidth > 0
+        # a host's network is slower than its own links, which are slower than the device's memory
+        assert p.dcn_bandwidth < p.link_bandwidth["all_reduce"] < p.memory_bandwidth, name
+        assert p.fp8_flops is None or p.fp8_flops >= p.peak_flops, name
+
+
+def test_a_tpu_slice_is_one_ici_domain_and_slices_meet_over_dcn():
+    one, two = cluster("v5p-128"), cluster("2xv5p-128")
+    assert (one.hosts, one.devices_per_host, two.hosts, two.devices_per_host) == (1, 64, 2, 64)
+    v5p = PROFILES["TPU v5p"]
+    mesh = {"stage": 1, "data": 2, "fsdp": 64, "tensor": 1}
+    # all 64 chips of a slice all-reduce over ICI alone; the second slice adds DCN
+    assert one.collective_seconds("all_reduce", 2**30, {**mesh, "data": 1}, ("fsdp",)) == v5p.collective_seconds(
+        "all_reduce", 2**30, 64
+    )
+    assert two.collective_seconds("all_reduce", 2**30, mesh, ("data",)) == pytest.approx(
+        v5p.dcn_latency + 2 * (1 / 2) * 2**30 / v5p.dcn_bandwidth
+    )
+
+
+def test_a_pipeline_stage_syncs_only_its_own_layers_gradients():
+    """stage=2 x data=4 against data=4 alone: each device all-reduces half the gradient bytes,
+    2 (n-1)/n x (gradient bytes / S)."""
+    cfg = GPTConfig(n_layers=4, d_model=256, n_heads=4, seq_len=64, vocab_size=512, scan_layers=True)
+    w = workload(lambda r: GPT(cfg, rngs=nnx.Rngs(r)), jax.ShapeDtypeStruct((16, 64), jnp.int32))
+    grads = sum(math.prod(x.shape) * 4 for x in jax.tree.leaves(w.params))
+    tx = optax.adam(1e-3)
+    flat = score(w, tx, Candidate({"stage": 1, "data": 4, "fsdp": 1, "tensor": 1}, 0), Cluster(H100, 1, 4))
+    piped = score(w, tx, Candidate({"stage": 2, "data": 4, "fsdp": 1, "tensor": 1}, 0, microbatches=4), H100)
+    assert flat.estimate.comm_bytes == pytest.approx(2 * 3 / 4 * grads)
+    assert piped.estimate.comm_bytes == pytest.approx(2 * 3 / 4 * grads / 2)
+
+
 def test_a_collective_across_hosts_is_priced_in_the_host_then_across():
     """2 hosts of 8: an all-reduce over 16 devices is a reduce-scatter and an all-gather over NVLink (8) and an
     all-reduce of each device's eighth across the two hosts over its NIC: the sum of the three closed forms."""

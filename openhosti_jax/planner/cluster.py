@@ -12,8 +12,11 @@ Example:
     (8, 8, 64)
     >>> c.factors({"stage": 1, "data": 8, "fsdp": 8, "tensor": 1})  # (ICI, DCN) per axis: data spans the hosts
     {'stage': (1, 1), 'data': (1, 8), 'fsdp': (8, 1), 'tensor': (1, 1)}
-    >>> cluster("v5p-128").n_devices  # 128 TensorCores: 64 chips, 4 per host
+    >>> cluster("v5p-128").n_devices  # 128 TensorCores: 64 chips, one ICI domain
     64
+    >>> c = cluster("2xv5p-128")  # multislice: two slices joined by DCN
+    >>> c.hosts, c.devices_per_host
+    (2, 64)
 """
 
 from __future__ import annotations
@@ -93,16 +96,19 @@ _TPU_NAMES = {"v4": "TPU v4", "v5p": "TPU v5p", "v5e": "TPU v5e", "v6e": "TPU v6
 def cluster(spec: str | Cluster, profiles: Mapping[str, DeviceProfile] = PROFILES) -> Cluster:
     """A `Cluster` from ``"NxKIND"`` (``"8xH100"``: N devices, in hosts of the profile's ``devices_per_host``),
     ``"HxDxKIND"`` (``"2x8xH100"``: H hosts of D) or a TPU slice name (``"v5p-128"``, ``"v4-64"``: TensorCores;
-    ``"v5e-256"``, ``"v6e-64"``: chips)."""
+    ``"v5e-256"``, ``"v6e-64"``: chips), optionally several slices (``"2xv5p-128"``). A TPU slice is one ICI
+    domain, its own "host" here: only slices talk over DCN (MaxText's ``dcn_*`` axes span slices)."""
     if isinstance(spec, Cluster):
         return spec
     names = {k.lower().replace(" ", ""): k for k in profiles}
-    tpu = re.fullmatch(r"(v4|v5p|v5e|v6e)-(\d+)", spec.strip().lower())
+    tpu = re.fullmatch(r"(?:(\d+)x)?(v4|v5p|v5e|v6e)-(\d+)", spec.strip().lower())
     gpu = re.fullmatch(r"(?:(\d+)x)?(\d+)x([A-Za-z0-9 ]+)", spec.strip())
     if tpu:
-        profile = profiles[_TPU_NAMES[tpu[1]]]
-        chips = int(tpu[2]) // _TPU_CORES_PER_CHIP[tpu[1]]
-    elif gpu and gpu[3].lower().replace(" ", "") in names:
+        chips = int(tpu[3]) // _TPU_CORES_PER_CHIP[tpu[2]]
+        if chips < 1:
+            raise PlanningError(f"{spec!r}: a {tpu[2]} slice needs at least {_TPU_CORES_PER_CHIP[tpu[2]]} cores")
+        return Cluster(profiles[_TPU_NAMES[tpu[2]]], int(tpu[1] or 1), chips)
+    if gpu and gpu[3].lower().replace(" ", "") in names:
         profile = profiles[names[gpu[3].lower().replace(" ", "")]]
         chips = int(gpu[2]) * (int(gpu[1]) if gpu[1] else 1)
         if gpu[1]:

@@ -161,30 +161,172 @@ def _interpolate(points: Sequence[tuple[float, float]], x: float) -> float:
     return float(max(ts[i] + slope * (x - xs[i]), ts[0] if x < xs[0] else 0.0, 1e-9))
 
 
-def _uniform(name: str, flops: float, mem_bw: float, link_bw: float, latency: float, mem: int) -> DeviceProfile:
-    return DeviceProfile(name, flops, mem_bw, dict.fromkeys(COLLECTIVES, link_bw), latency, mem)
+def _spec(
+    name: str,
+    *,
+    bf16: float,
+    fp8: float | None,
+    hbm: int,
+    hbm_bandwidth: float,
+    link: float,
+    per_host: int,
+    dcn: float,
+    sources: tuple[str, ...],
+    host_bandwidth: float = 32e9,
+) -> DeviceProfile:
+    """A spec-sheet profile: one link bandwidth for every collective kind, the compiler overlapping collectives with
+    compute (XLA's latency-hiding scheduler on GPU and TPU), 10 us per collective inside a host."""
+    return DeviceProfile(
+        name,
+        bf16,
+        hbm_bandwidth,
+        dict.fromkeys(COLLECTIVES, link),
+        10e-6,
+        hbm,
+        host_bandwidth=host_bandwidth,
+        devices_per_host=per_host,
+        dcn_bandwidth=dcn,
+        overlap=True,
+        fp8_flops=fp8,
+        sources=sources,
+    )
 
 
 GiB = 2**30
+GB = 10**9
+_H100 = (
+    "https://www.nvidia.com/en-us/data-center/h100/ (H100 SXM: bf16 1,979 TFLOPS and fp8 3,958 with sparsity, "
+    "half dense; 80 GB HBM3 at 3.35 TB/s; NVLink 900 GB/s)"
+)
+_H200 = (
+    "https://www.nvidia.com/en-us/data-center/h200/ (H200 SXM: 141 GB HBM3e at 4.8 TB/s; compute and NVLink "
+    "900 GB/s as H100)"
+)
+_A100 = (
+    "https://www.nvidia.com/en-us/data-center/a100/ (A100 SXM 80GB: bf16 312 TFLOPS dense, 624 with sparsity; "
+    "80 GB HBM2e at 2,039 GB/s; NVLink 600 GB/s)"
+)
+_DGX_H100 = (
+    "https://docs.nvidia.com/dgx/dgxh100-user-guide/introduction-to-dgxh100.html (DGX H100: 8 GPUs, 8 single-port "
+    "ConnectX-7 400 Gb/s for the compute fabric, one per GPU)"
+)
+_DGX_A100 = (
+    "https://docs.nvidia.com/dgx/dgxa100-user-guide/introduction-to-dgxa100.html (DGX A100: 8 GPUs, 8 single-port "
+    "ConnectX-6 200 Gb/s HDR InfiniBand for the compute fabric, one per GPU)"
+)
 PROFILES: dict[str, DeviceProfile] = {
-    # bf16 dense peak, HBM bandwidth, NVLink / ICI bandwidth per device, from the vendors' spec sheets.
-    "H100": dataclasses.replace(_uniform("H100", 989e12, 3.35e12, 450e9, 10e-6, 80 * GiB), host_bandwidth=55e9),
-    "H200": dataclasses.replace(_uniform("H200", 989e12, 4.8e12, 450e9, 10e-6, 141 * GiB), host_bandwidth=55e9),
-    "TPU v4": _uniform("TPU v4", 275e12, 1.2e12, 270e9, 10e-6, 32 * GiB),
-    "TPU v5e": _uniform("TPU v5e", 197e12, 0.82e12, 200e9, 10e-6, 16 * GiB),
-    "TPU v5p": _uniform("TPU v5p", 459e12, 2.76e12, 600e9, 10e-6, 95 * GiB),
+    # Per device: bf16 and fp8/int8 dense peak, HBM size and bandwidth, the intra-host link one way (NVLink's
+    # bidirectional figure halved; TPU ICI per chip), the inter-host link (one 400 / 200 Gb/s NIC per GPU; TPU DCN
+    # per chip), devices per host. GPU hosts of 8 with NVLink inside and InfiniBand across; a TPU slice is one ICI
+    # domain (`openhosti_jax.planner.cluster` spans slices over DCN). Memory sizes quoted in GB are the GiB the
+    # devices report (an H100's 80 GB is 80 GiB).
+    "H100": _spec(
+        "H100",
+        bf16=989e12,
+        fp8=1979e12,
+        hbm=80 * GiB,
+        hbm_bandwidth=3.35e12,
+        link=450 * GB,
+        per_host=8,
+        dcn=50 * GB,
+        host_bandwidth=55e9,
+        sources=(_H100, _DGX_H100),
+    ),
+    "H200": _spec(
+        "H200",
+        bf16=989e12,
+        fp8=1979e12,
+        hbm=141 * GiB,
+        hbm_bandwidth=4.8e12,
+        link=450 * GB,
+        per_host=8,
+        dcn=50 * GB,
+        host_bandwidth=55e9,
+        sources=(_H200, _DGX_H100),
+    ),
+    "A100": _spec(
+        "A100",
+        bf16=312e12,
+        fp8=None,
+        hbm=80 * GiB,
+        hbm_bandwidth=2.039e12,
+        link=300 * GB,
+        per_host=8,
+        dcn=25 * GB,
+        sources=(_A100, _DGX_A100),
+    ),
+    "TPU v4": _spec(
+        "TPU v4",
+        bf16=275e12,
+        fp8=275e12,
+        hbm=32 * GiB,
+        hbm_bandwidth=1.2e12,
+        link=300 * GB,
+        per_host=4,
+        dcn=6.25 * GB,
+        sources=(
+            "https://cloud.google.com/tpu/docs/v4 (bf16 and int8 275 TFLOPS, 32 GiB HBM2 at 1,200 GB/s, 4 chips per "
+            "host, 3D torus of 6 ICI links of 400 Gb/s each way: 300 GB/s)",
+            "DCN per chip not published for v4: v5p's 50 Gb/s per chip taken",
+        ),
+    ),
+    "TPU v5e": _spec(
+        "TPU v5e",
+        bf16=197e12,
+        fp8=393e12,
+        hbm=16 * GiB,
+        hbm_bandwidth=819 * GB,
+        link=200 * GB,
+        per_host=8,
+        dcn=3.125 * GB,
+        sources=(
+            "https://cloud.google.com/tpu/docs/v5e (bf16 197 TFLOPS, int8 393 TOPS, 16 GB HBM2 at 819 GB/s, ICI "
+            "1,600 Gb/s per chip, 8 chips per host, 2D torus)",
+            "https://cloud.google.com/tpu/docs/v6e (v5e per-host NICs 2 x 100 Gb/s for 8 chips: 25 Gb/s per chip)",
+        ),
+    ),
+    "TPU v5p": _spec(
+        "TPU v5p",
+        bf16=459e12,
+        fp8=459e12,
+        hbm=95 * GiB,
+        hbm_bandwidth=2765 * GB,
+        link=600 * GB,
+        per_host=4,
+        dcn=6.25 * GB,
+        sources=(
+            "https://cloud.google.com/tpu/docs/v5p (bf16 and fp8 459 TFLOPS, 95 GiB HBM at 2,765 GB/s, bidirectional "
+            "ICI 1,200 GB/s per chip, DCN 50 Gb/s per chip, 4 chips per host, 3D torus)",
+        ),
+    ),
+    "TPU v6e": _spec(
+        "TPU v6e",
+        bf16=918e12,
+        fp8=1836e12,
+        hbm=32 * GiB,
+        hbm_bandwidth=1640 * GB,
+        link=400 * GB,
+        per_host=8,
+        dcn=12.5 * GB,
+        sources=(
+            "https://cloud.google.com/tpu/docs/v6e (bf16 918 TFLOPS, int8 1,836 TOPS, 32 GB HBM at 1,640 GB/s, "
+            "bidirectional ICI 800 GB/s per chip, 8 chips per host, 4 x 200 Gb/s NICs per host, 2D torus)",
+        ),
+    ),
 }
-"""Spec-sheet profiles by device kind."""
+"""Spec-sheet profiles by device kind, each citing its sources (`DeviceProfile.sources`)."""
 
 KIND_ALIASES = {
     # device_kind substrings (lower case) -> PROFILES key
     "h100": "H100",
     "h200": "H200",
+    "a100": "A100",
     "tpu v4": "TPU v4",
     "tpu v5 lite": "TPU v5e",
     "tpu v5e": "TPU v5e",
     "tpu v5p": "TPU v5p",
     "tpu v5": "TPU v5p",
+    "tpu v6": "TPU v6e",
 }
 
 
