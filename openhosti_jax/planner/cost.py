@@ -189,6 +189,7 @@ def estimate(
     def coll(kind: str, nbytes: float, axes: tuple[str, ...]) -> None:
         nonlocal comm_s, comm_b
         n = math.prod(sizes.get(a, 1) for a in axes)
+        nbytes /= stages  # every collective is per layer: a stage's devices move their layers' share
         if n > 1 and nbytes > 0:
             comm_s += cluster.collective_seconds(kind, nbytes, sizes, axes)
             comm_b += bus_bytes(kind, nbytes, n)

@@ -196,11 +196,14 @@ def gradient_bytes(work: Workload) -> int:
 def policy_variants(candidate: Candidate, work: Workload, remats: Sequence[str], accumulates: bool) -> list[Candidate]:
     """``candidate`` with each remat policy in ``remats`` that the model applies and, when the step accumulates
     gradients, each power-of-two microbatch count that divides the per-device batch (a pipelined one: each count
-    of S x 2^i microbatches above its default that divides the per-replica batch); the plain one excluded."""
+    of S x 2^i microbatches above its default that divides the per-replica batch, and one example per microbatch);
+    the plain one excluded."""
     dp, s = candidate.mesh_shape["data"] * candidate.mesh_shape["fsdp"], candidate.mesh_shape["stage"]
     local = work.global_batch // dp
     if s > 1:  # a pipeline's microbatches: more of them hold fewer activations in flight (down to one example)
         counts = [m for m in (s * 2**i for i in range(local.bit_length())) if m <= local and local % m == 0]
+        if local % s == 0 and local not in counts:  # one example per microbatch: the fewest activations in flight
+            counts.append(local)
         counts = [1] + [m for m in counts if m > pipeline_microbatches(work, candidate)]  # 1: the default
     else:
         counts = [k for k in (2**i for i in range(local.bit_length())) if local % k == 0] if accumulates else [1]
