@@ -12,11 +12,19 @@ planner's choice over the published configuration, both predicted, and whether t
 (the seed's claim: GPT-3 175B on 64 H100, the planner's choice against plain DDP and the claimed 156 tokens/s per
 GPU), ``plan_405b_1024_seconds`` (wall time of planning Llama-3.1 405B on 1,024 H100, no compiles).
 
-Published throughput in TFLOP/s per GPU is turned into tokens/s with the source's own FLOP count per token (Megatron's
-``96 l h^2 (1 + s/(6h) + V/(16 l h))`` per sequence position counts the recomputed forward; its README's MFU does
-not), so the ratio compares like with like.
+Published throughput in TFLOP/s per device is turned into tokens/s with the source's own FLOP count per token, as its
+code counted when the number was published: Megatron 2021 ``96 l h^2 (1 + s/(6h) + V/(16 l h))`` (the recomputed
+forward included), Megatron-Core r0.8.0 ``12 l h^2 (6 + s/h + V/(2 l h))``, MaxText (2024) ``6 N + 6 l heads
+head_dim s``; torchtitan publishes tokens/s. Where a source leaves a setting unstated, the run below says what was
+taken (microbatch 1, selective recomputation, the pipeline's TP/PP split).
 
-    python benchmarks/scale.py        # about a minute on CPU
+The runs: torchtitan Llama-3.1 8B FSDP on 8 and 128 H100 (Tables 1 and 3, no torch.compile or Float8), MaxText
+Llama-2 7B on one A3 VM, Megatron-Core's weak-scaling table (7.1B, 177B, 462B) and the strong-scaling ends of its
+GPT-3 175B (96 and 4,608 GPUs), and four rows of Megatron-LM's 2021 A100 table (1.7B to 1T). MaxText's TPU v5p 32B
+(2023) used a model shape the bundled families do not have (ReLU MLP of 3.2 h, 256-wide heads, tied embedding), so
+it is not among them.
+
+    python benchmarks/scale.py        # about two and a half minutes on CPU
 
 Last stdout line: one JSON object.
 """
@@ -77,10 +85,127 @@ class Run:
     """Per device."""
     source: str
     published_memory_gib: float | None = None
+    device_memory_gib: float | None = None
+    """The run's device memory where it differs from the profile's (torchtitan's H100s have 96 GB)."""
 
 
-RUNS: list[Run] = []
-"""The published runs (filled from their sources below)."""
+def maxtext_flops_per_token(params: float, layers: int, heads: int, head_dim: int, seq: int) -> float:
+    """MaxText's count when these runs were published (``calculate_tflops_training_per_device``, 2023-24):
+    ``6 N`` plus causal attention ``6 layers heads head_dim seq`` per token."""
+    return 6 * params + 6 * layers * heads * head_dim * seq
+
+
+def megatron_core_flops_per_token(layers: int, hidden: int, seq: int, vocab: int) -> float:
+    """Megatron-Core r0.8.0's ``num_floating_point_operations`` per token for a GPT (MHA, 4h MLP, no recompute
+    counted): ``12 l h^2 (6 + s/h + V/(2 l h))``."""
+    return 12 * layers * hidden**2 * (6 + seq / hidden + vocab / (2 * layers * hidden))
+
+
+_TITAN = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
+_MCORE = "NVIDIA/Megatron-LM README.md (images/model_table.png, weak scaling; Megatron-Core r0.8.0)"
+_MCORE_STRONG = "NVIDIA/Megatron-LM README.md Strong Scaling (GPT-3 175B, batch 1152, 47% -> 42% MFU)"
+_MEGATRON_2021 = "NVIDIA/Megatron-LM README.md @ v2.5 (images/cases_april2021.png) = arXiv 2104.04473 Table 1"
+_MAXTEXT_A3 = "AI-Hypercomputer/maxtext MaxText/configs/a3/llama_2_7b/{README.md,1vm.sh} @ efb6d9e4a"
+H100_PEAK = 989e12
+
+
+def _titan(key: str, gpus: int, tps: float, mem: float) -> Run:
+    # Table 1/3: 1D FSDP, local batch 2, selective (op) activation checkpointing, bf16 compute with fp32 params
+    # (FSDP2 mixed precision), seq 8192 (llama3_8b.toml); H100 96 GB HBM2e at 500 W on Grand Teton.
+    return Run(
+        key,
+        model_preset("llama3-8b", seq_len=8192),
+        f"{gpus}xH100",
+        2 * gpus,
+        f"fsdp={gpus}",
+        3,
+        "dots",
+        "bf16",
+        1,
+        tps,
+        _TITAN,
+        mem,
+        96,
+    )
+
+
+def _mcore(
+    key: str,
+    layers: int,
+    hidden: int,
+    heads: int,
+    tp: int,
+    pp: int,
+    dp: int,
+    batch: int,
+    tflops: float,
+    source: str = _MCORE,
+) -> Run:
+    # vocab 131,072, seq 4,096 (README's benchmark configuration); the distributed optimizer (the README overlaps
+    # its param gather): gradients reduce-scattered, parameters all-gathered, as ZeRO-2; microbatch 1 (not
+    # stated), selective recomputation (not stated), bf16
+    per_token = megatron_core_flops_per_token(layers, hidden, 4096, 131072)
+    return Run(
+        key,
+        gpt(key, layers, hidden, heads, seq=4096, vocab=131072),
+        f"{tp * pp * dp}xH100",
+        batch,
+        f"stage={pp},data={dp},tensor={tp}",
+        2,
+        "dots",
+        "bf16",
+        batch // dp if pp > 1 else 1,
+        tflops * 1e12 / per_token,
+        source,
+    )
+
+
+def _megatron2021(key: str, layers: int, hidden: int, mp: int, gpus: int, batch: int, tflops: float) -> Run:
+    # vocab 51,200, seq 2,048, full activation recomputation (counted in the TFLOP/s: 96 l h^2 ...), tensor
+    # parallel 8 inside a DGX A100 and the rest of the model-parallel size pipelined (the paper's placement),
+    # head dim 128 (heads are not in the README table and do not enter the FLOP count), microbatch 1
+    tp, pp = min(mp, 8), max(mp // 8, 1)
+    dp = gpus // mp
+    per_token = megatron_flops_per_token(layers, hidden, 2048, 51200, recompute=True)
+    return Run(
+        key,
+        gpt(key, layers, hidden, hidden // 128, seq=2048, vocab=51200),
+        f"{gpus}xA100",
+        batch,
+        f"stage={pp},data={dp},tensor={tp}",
+        0,
+        "full",
+        "bf16",
+        batch // dp if pp > 1 else 1,
+        tflops * 1e12 / per_token,
+        _MEGATRON_2021,
+    )
+
+
+def _runs() -> list[Run]:
+    llama2 = model_preset("llama2-7b", seq_len=4096)
+    cfg = llama2.config
+    a3 = maxtext_flops_per_token(cfg.num_params(), cfg.n_layers, cfg.n_heads, cfg.d_model // cfg.n_heads, 4096)
+    return [
+        _titan("torchtitan_llama3_8b_8xH100", 8, 5762, 82.4),
+        _titan("torchtitan_llama3_8b_128xH100", 128, 5605, 67.0),
+        # MaxText A3 1 VM: ici_fsdp 8, per_device_batch_size 4, seq 4096, remat minimal_flash, bf16
+        Run("maxtext_llama2_7b_8xH100", llama2, "8xH100", 32, "fsdp=8", 3, "dots", "bf16", 1, 492e12 / a3, _MAXTEXT_A3),
+        _mcore("megatron_core_7b_96xH100", 30, 4096, 32, 2, 1, 48, 192, 465.9),
+        _mcore("megatron_core_177b_2304xH100", 96, 12288, 96, 8, 6, 48, 1152, 432.8),
+        _mcore("megatron_core_462b_6144xH100", 112, 18432, 144, 8, 16, 48, 3072, 459.9),
+        # strong scaling: the 177B row's TP 8 / PP 6, the rest data parallel (the README does not list them)
+        _mcore("megatron_core_177b_96xH100", 96, 12288, 96, 8, 6, 2, 1152, 0.47 * H100_PEAK / 1e12, _MCORE_STRONG),
+        _mcore("megatron_core_177b_4608xH100", 96, 12288, 96, 8, 6, 96, 1152, 0.42 * H100_PEAK / 1e12, _MCORE_STRONG),
+        _megatron2021("megatron_1_7b_32xA100", 24, 2304, 1, 32, 512, 137),
+        _megatron2021("megatron_18b_256xA100", 40, 6144, 8, 256, 1024, 135),
+        _megatron2021("megatron_145b_1536xA100", 80, 12288, 64, 1536, 2304, 148),
+        _megatron2021("megatron_1t_3072xA100", 128, 25600, 512, 3072, 3072, 163),
+    ]
+
+
+RUNS: list[Run] = _runs()
+"""The published runs, each with its source."""
 
 
 def predicted(run: Run, config: bool) -> Prediction:
@@ -96,12 +221,14 @@ def predicted(run: Run, config: bool) -> Prediction:
         if config
         else {}
     )
+    budget = None if run.device_memory_gib is None else int(run.device_memory_gib * 2**30)
     return predict(
         run.model.init,
         optax.adamw(1e-4),
         batch,
         run.cluster,
         model_flops_per_token=run.model.flops_per_token,
+        memory_budget=budget,
         **fixed,
     )
 
