@@ -20,9 +20,8 @@ taken (microbatch 1, selective recomputation, the pipeline's TP/PP split).
 
 The runs: torchtitan Llama-3.1 8B FSDP on 8 and 128 H100 (Tables 1 and 3, no torch.compile or Float8), MaxText
 Llama-2 7B on one A3 VM, Megatron-Core's weak-scaling table (7.1B, 177B, 462B) and the strong-scaling ends of its
-GPT-3 175B (96 and 4,608 GPUs), and four rows of Megatron-LM's 2021 A100 table (1.7B to 1T). MaxText's TPU v5p 32B
-(2023) used a model shape the bundled families do not have (ReLU MLP of 3.2 h, 256-wide heads, tied embedding), so
-it is not among them.
+GPT-3 175B (96 and 4,608 GPUs), MaxText's 32B on a TPU v5p-128 (its 2023 shape: MLP 3.2 h, 256-wide heads) and four
+rows of Megatron-LM's 2021 A100 table (1.7B to 1T).
 
     python benchmarks/scale.py        # about two and a half minutes on CPU
 
@@ -53,14 +52,25 @@ def megatron_flops_per_token(layers: int, hidden: int, seq: int, vocab: int, rec
     return (96 if recompute else 72) * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
 
 
-def gpt(name: str, layers: int, hidden: int, heads: int, seq: int = 2048, vocab: int = 51200) -> ModelPreset:
-    """A GPT of Megatron's shapes (4h MLP, learned positions), scanned, query-blocked attention."""
+def gpt(
+    name: str,
+    layers: int,
+    hidden: int,
+    heads: int,
+    seq: int = 2048,
+    vocab: int = 51200,
+    ffn: int | None = None,
+    head_dim: int | None = None,
+) -> ModelPreset:
+    """A GPT of Megatron's shapes (4h MLP unless ``ffn``, learned positions), scanned, query-blocked attention."""
     cfg = GPTConfig(
         vocab_size=vocab,
         seq_len=seq,
         d_model=hidden,
         n_heads=heads,
         n_layers=layers,
+        ffn=ffn,
+        head_dim=head_dim,
         scan_layers=True,
         attention_block=min(512, seq),
     )
@@ -105,6 +115,7 @@ _TITAN = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
 _MCORE = "NVIDIA/Megatron-LM README.md (images/model_table.png, weak scaling; Megatron-Core r0.8.0)"
 _MCORE_STRONG = "NVIDIA/Megatron-LM README.md Strong Scaling (GPT-3 175B, batch 1152, 47% -> 42% MFU)"
 _MEGATRON_2021 = "NVIDIA/Megatron-LM README.md @ v2.5 (images/cases_april2021.png) = arXiv 2104.04473 Table 1"
+_MAXTEXT_V5P = "AI-Hypercomputer/maxtext MaxText/configs/v5p/{README.md,32b.sh} and configs/base.yml @ 76bd53b0f"
 _MAXTEXT_A3 = "AI-Hypercomputer/maxtext MaxText/configs/a3/llama_2_7b/{README.md,1vm.sh} @ efb6d9e4a"
 H100_PEAK = 989e12
 
@@ -182,6 +193,31 @@ def _megatron2021(key: str, layers: int, hidden: int, mp: int, gpus: int, batch:
     )
 
 
+def _maxtext_v5p_32b() -> Run:
+    # MaxText/configs/v5p/32b.sh with base.yml @ 76bd53b0f (2023-12-15, when the README's table was written):
+    # global_parameter_scale 32 on base 2560 x 8 heads x 256 head dim x 8192 ReLU MLP x 16 layers gives d_model
+    # 10240, 32 heads of 256, MLP 32768, 32 layers, vocab 32768, seq 2048; per_device_batch_size 8 on 64 chips,
+    # ici_fsdp -1 (16) x ici_tensor 4, remat minimal, bf16 compute over fp32 weights. MaxText tied the embedding
+    # (logits_via_embedding); this family's head is untied: the same FLOPs, 0.34B (1%) more parameters.
+    model = gpt("maxtext_v5p_32b", 32, 10240, 32, seq=2048, vocab=32768, ffn=32768, head_dim=256)
+    cfg = model.config
+    tied = cfg.num_params() - cfg.d_model * cfg.vocab_size - cfg.vocab_size
+    per_token = maxtext_flops_per_token(tied, 32, 32, 256, 2048)
+    return Run(
+        "maxtext_32b_v5p_128",
+        model,
+        "v5p-128",
+        512,
+        "fsdp=16,tensor=4",
+        3,
+        "dots",
+        "bf16",
+        1,
+        328e12 / per_token,
+        _MAXTEXT_V5P,
+    )
+
+
 def _runs() -> list[Run]:
     llama2 = model_preset("llama2-7b", seq_len=4096)
     cfg = llama2.config
@@ -191,6 +227,7 @@ def _runs() -> list[Run]:
         _titan("torchtitan_llama3_8b_128xH100", 128, 5605, 67.0),
         # MaxText A3 1 VM: ici_fsdp 8, per_device_batch_size 4, seq 4096, remat minimal_flash, bf16
         Run("maxtext_llama2_7b_8xH100", llama2, "8xH100", 32, "fsdp=8", 3, "dots", "bf16", 1, 492e12 / a3, _MAXTEXT_A3),
+        _maxtext_v5p_32b(),
         _mcore("megatron_core_7b_96xH100", 30, 4096, 32, 2, 1, 48, 192, 465.9),
         _mcore("megatron_core_177b_2304xH100", 96, 12288, 96, 8, 6, 48, 1152, 432.8),
         _mcore("megatron_core_462b_6144xH100", 112, 18432, 144, 8, 16, 48, 3072, 459.9),

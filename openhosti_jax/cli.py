@@ -178,8 +178,6 @@ def _global_batch(text: str, seq: int) -> int:
 
 def cmd_predict(args: argparse.Namespace) -> int:
     """Predict step time, throughput, MFU and memory of a model on a cluster that is not attached."""
-    import jax
-    import jax.numpy as jnp
     import optax
 
     presets = _import("openhosti_jax.models.presets", "model_preset")
@@ -193,8 +191,9 @@ def cmd_predict(args: argparse.Namespace) -> int:
     else:
         missing = [f"--{k.replace('_', '-')}" for k, v in dims.items() if v is None]
         raise UsageError(f"give --model NAME or every dimension (missing {', '.join(missing)})")
-    seq = model.config.seq_len
-    batch = jax.ShapeDtypeStruct((_global_batch(args.global_batch, seq), seq), jnp.int32)
+    seq = model.tokens_per_example
+    examples = _global_batch(args.global_batch, seq)
+    batch = model.sample_batch(examples)
     result = predict(
         model.init,
         optax.adamw(1e-4),
@@ -210,10 +209,10 @@ def cmd_predict(args: argparse.Namespace) -> int:
         memory_budget=None if args.memory_budget is None else int(args.memory_budget * 2**30),
     )
     if args.json:
-        print(json.dumps({"model": model.name, "global_batch": batch.shape[0], **result.as_dict()}))
+        print(json.dumps({"model": model.name, "global_batch": examples, **result.as_dict()}))
     else:
-        print(f"{'model':<20} {model.name}: {model.config.num_params() / 1e9:.2f}B parameters, seq {seq}")
-        print(f"{'global batch':<20} {batch.shape[0]} sequences ({batch.shape[0] * seq:,} tokens)")
+        print(f"{'model':<20} {model.name}: {model.config.num_params() / 1e9:.2f}B parameters, {seq} positions each")
+        print(f"{'global batch':<20} {examples} examples ({examples * seq:,} positions)")
         print(result)
     return EXIT_OK
 
@@ -334,7 +333,9 @@ def build_parser() -> argparse.ArgumentParser:
         "the predicted step time, tokens/s per device, MFU and memory per device, for the planner's choice or a "
         "fixed configuration (--mesh and the flags after it).",
     )
-    pr.add_argument("--model", default=None, help="preset: gpt3-175b, bert-large, llama2-7b/70b, llama3-8b/70b/405b")
+    pr.add_argument(
+        "--model", default=None, help="preset: gpt3-175b, bert-large, llama2-7b/70b, llama3-8b/70b/405b, sdxl-unet"
+    )
     for flag in ("layers", "d-model", "heads", "kv-heads", "ffn", "vocab", "seq"):
         pr.add_argument(f"--{flag}", type=int, default=None, help=f"model {flag} (without --model; --seq also with)")
     pr.add_argument("--cluster", required=True, help="e.g. 8xH100, 64xH100 (8 hosts of 8), 8x8xA100, v5p-128")

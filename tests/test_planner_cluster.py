@@ -209,3 +209,14 @@ def test_plans_for_a_large_cluster_fit_the_device():
     ddp = predict(m.init, optax.adamw(1e-4), batch, "64xH100", mesh="data=64", zero=0)
     assert not ddp.fits and ddp.memory["state"] == pytest.approx(12 * m.config.num_params(), rel=1e-6)
     assert math.isclose(chosen.tokens_per_step, 1536 * 2048)
+
+
+@pytest.mark.parametrize("shape", [{}, {"ffn": 96, "head_dim": 24}])
+def test_gpt_widths_count_parameters_and_flops_exactly(shape):
+    """The GPT family's closed forms against the built model: its parameter count and the traced matmul FLOPs
+    (MaxText's 2023 v5p shapes need an MLP width that is no multiple of d_model and heads wider than d/heads)."""
+    cfg = GPTConfig.tiny(**shape)
+    model = GPT(cfg, rngs=nnx.Rngs(0))
+    assert sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))) == cfg.num_params()
+    w = workload(lambda r: GPT(cfg, rngs=nnx.Rngs(r)), jax.ShapeDtypeStruct((2, cfg.seq_len), jnp.int32))
+    assert w.flops_per_example / cfg.seq_len == pytest.approx(cfg.flops_per_token(), rel=1e-9)

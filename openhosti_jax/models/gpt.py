@@ -40,7 +40,12 @@ class GPTConfig:
     n_layers: int = 2
     """Transformer blocks."""
     mlp_ratio: int = 4
-    """MLP hidden width / ``d_model``."""
+    """MLP hidden width / ``d_model`` (where ``ffn`` is not given)."""
+    ffn: int | None = None
+    """MLP hidden width (None: ``mlp_ratio * d_model``)."""
+    head_dim: int | None = None
+    """Width of each attention head (None: ``d_model // n_heads``); queries, keys and values are
+    ``n_heads * head_dim`` wide."""
     dropout: float = 0.0
     """Dropout rate on attention output and MLP output (needs an ``rng`` at call time when > 0)."""
     dtype: str = "float32"
@@ -59,8 +64,13 @@ class GPTConfig:
             for k in ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers", "mlp_ratio")
             if not isinstance(getattr(self, k), int) or getattr(self, k) < 1
         ]
-        if not problems and self.d_model % self.n_heads:
-            problems.append(f"n_heads={self.n_heads} must divide d_model={self.d_model}")
+        problems += [
+            f"{k}={getattr(self, k)!r} must be a positive int or None"
+            for k in ("ffn", "head_dim")
+            if getattr(self, k) is not None and (not isinstance(getattr(self, k), int) or getattr(self, k) < 1)
+        ]
+        if not problems and self.head_dim is None and self.d_model % self.n_heads:
+            problems.append(f"n_heads={self.n_heads} must divide d_model={self.d_model} (or give head_dim)")
         if not 0.0 <= self.dropout < 1.0:
             problems.append(f"dropout={self.dropout} must be in [0, 1)")
         if problems:
@@ -84,10 +94,20 @@ class GPTConfig:
         block is causal, which changes neither the shapes, the FLOPs nor the memory a plan is priced on."""
         return cls(**{"vocab_size": 30522, "seq_len": 512, "d_model": 1024, "n_heads": 16, "n_layers": 24, **kw})
 
+    @property
+    def mlp_width(self) -> int:
+        """The MLP's hidden width."""
+        return self.ffn or self.mlp_ratio * self.d_model
+
+    @property
+    def attention_width(self) -> int:
+        """``n_heads`` x the head width."""
+        return self.n_heads * (self.head_dim or self.d_model // self.n_heads)
+
     def num_params(self) -> int:
         """Exact parameter count (embeddings included)."""
-        d, h = self.d_model, self.d_model * self.mlp_ratio
-        block = 2 * 2 * d + 4 * d * d + d + d * h + h + h * d + d
+        d, h, a = self.d_model, self.mlp_width, self.attention_width
+        block = 2 * 2 * d + 4 * d * a + d + d * h + h + h * d + d
         return (
             self.vocab_size * d
             + self.seq_len * d
@@ -99,8 +119,8 @@ class GPTConfig:
 
     def flops_per_token(self) -> int:
         """Training FLOPs per token (forward + backward = 3x forward matmuls, attention included)."""
-        d, h, s = self.d_model, self.d_model * self.mlp_ratio, self.seq_len
-        per_layer = 2 * (4 * d * d + 2 * d * h) + 2 * 2 * s * d
+        d, h, s, a = self.d_model, self.mlp_width, self.seq_len, self.attention_width
+        per_layer = 2 * (4 * d * a + 2 * d * h) + 2 * 2 * s * a
         return 3 * (self.n_layers * per_layer + 2 * d * self.vocab_size)
 
 
@@ -119,11 +139,12 @@ class Block(nnx.Module):
         dense = {"kernel_metadata": _unnamed(2, s), "bias_metadata": _unnamed(1, s)}
         self.cfg = cfg
         self.ln1 = nnx.LayerNorm(d, rngs=rngs, dtype=dt, **norm)
-        self.qkv = nnx.Linear(d, 3 * d, use_bias=False, rngs=rngs, dtype=dt, **dense)  # a key bias: zero gradient
-        self.proj = nnx.Linear(d, d, rngs=rngs, dtype=dt, **dense)
+        a, h = cfg.attention_width, cfg.mlp_width
+        self.qkv = nnx.Linear(d, 3 * a, use_bias=False, rngs=rngs, dtype=dt, **dense)  # a key bias: zero gradient
+        self.proj = nnx.Linear(a, d, rngs=rngs, dtype=dt, **dense)
         self.ln2 = nnx.LayerNorm(d, rngs=rngs, dtype=dt, **norm)
-        self.fc = nnx.Linear(d, cfg.mlp_ratio * d, rngs=rngs, dtype=dt, **dense)
-        self.out = nnx.Linear(cfg.mlp_ratio * d, d, rngs=rngs, dtype=dt, **dense)
+        self.fc = nnx.Linear(d, h, rngs=rngs, dtype=dt, **dense)
+        self.out = nnx.Linear(h, d, rngs=rngs, dtype=dt, **dense)
 
     def _drop(self, x: jax.Array, rng: jax.Array | None) -> jax.Array:
         if rng is None or self.cfg.dropout == 0.0:
@@ -132,19 +153,19 @@ class Block(nnx.Module):
         return jnp.where(keep, x / (1.0 - self.cfg.dropout), 0.0).astype(x.dtype)
 
     def __call__(self, x: jax.Array, rng: jax.Array | None = None) -> jax.Array:
-        b, s, d = x.shape
-        nh = self.cfg.n_heads
+        b, s, _ = x.shape
+        nh, a = self.cfg.n_heads, self.cfg.attention_width
         r1, r2 = jax.random.split(rng) if rng is not None else (None, None)
         q, k, v = jnp.split(self.qkv(self.ln1(x)), 3, axis=-1)
-        q, k, v = (t.reshape(b, s, nh, d // nh) for t in (q, k, v))
+        q, k, v = (t.reshape(b, s, nh, a // nh) for t in (q, k, v))
 
         def attend(qb: jax.Array, first: jax.Array) -> jax.Array:
-            att = jnp.einsum("bqhd,bkhd->bhqk", qb, k) / jnp.sqrt(d // nh).astype(x.dtype)
+            att = jnp.einsum("bqhd,bkhd->bhqk", qb, k) / jnp.sqrt(a // nh).astype(x.dtype)
             mask = causal_mask(first, qb.shape[1], s)
             att = jax.nn.softmax(jnp.where(mask, att, jnp.finfo(att.dtype).min), axis=-1)
             return jnp.einsum("bhqk,bkhd->bqhd", att, v)
 
-        y = query_blocks(attend, q, self.cfg.attention_block).reshape(b, s, d)
+        y = query_blocks(attend, q, self.cfg.attention_block).reshape(b, s, a)
         x = x + self._drop(self.proj(y), r1)
         return x + self._drop(self.out(jax.nn.gelu(self.fc(self.ln2(x)))), r2)
 

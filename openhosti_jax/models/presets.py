@@ -1,9 +1,10 @@
 """Published model shapes by name, built from the bundled families for planning at scale (abstractly: the planner
 never allocates their parameters): ``gpt3-175b``, ``bert-large``, ``llama2-7b``, ``llama2-70b``, ``llama3-8b``,
-``llama3-70b``, ``llama3-405b``, or a Llama-family shape from its dimensions.
+``llama3-70b``, ``llama3-405b``, ``sdxl-unet`` (Stable Diffusion XL's 2.57B UNet), or a Llama-family shape from
+its dimensions.
 
-Each is built with its blocks scanned (one layer's parameters gathered at a time under ZeRO-3) and attention over
-blocks of queries (activations linear in the sequence, as flash attention's), as large runs train them.
+Each language model is built with its blocks scanned (one layer's parameters gathered at a time under ZeRO-3) and
+attention over blocks of queries (activations linear in the sequence, as flash attention's), as large runs train them.
 
 Example:
     >>> m = model_preset("llama3-8b", seq_len=4096)
@@ -18,11 +19,14 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from openhosti_jax.errors import StateError
 from openhosti_jax.models.gpt import GPT, GPTConfig
 from openhosti_jax.models.llama import Llama, LlamaConfig
+from openhosti_jax.models.unet import UNet, UNetConfig
 
 _PRESETS: dict[str, tuple[type, Callable[..., Any]]] = {
     "gpt3-175b": (GPT, GPTConfig.gpt3_175b),
@@ -32,6 +36,7 @@ _PRESETS: dict[str, tuple[type, Callable[..., Any]]] = {
     "llama3-8b": (Llama, LlamaConfig.llama3_8b),
     "llama3-70b": (Llama, LlamaConfig.llama3_70b),
     "llama3-405b": (Llama, LlamaConfig.llama3_405b),
+    "sdxl-unet": (UNet, UNetConfig.sdxl),
 }
 PRESETS: tuple[str, ...] = tuple(_PRESETS)
 """The preset names."""
@@ -55,9 +60,21 @@ class ModelPreset:
         return self.family(self.config, rngs=nnx.Rngs(rngs))
 
     @property
-    def flops_per_token(self) -> int:
-        """Training FLOPs per token by the family's formula (what MFU counts)."""
-        return self.config.flops_per_token()
+    def flops_per_token(self) -> int | None:
+        """Training FLOPs per token by the family's formula (what MFU counts); None where the family has none (the
+        planner then counts the traced matmuls and convolutions)."""
+        return self.config.flops_per_token() if hasattr(self.config, "flops_per_token") else None
+
+    @property
+    def tokens_per_example(self) -> int:
+        """Positions per example: the sequence length, or a UNet's latent pixels."""
+        return getattr(self.config, "seq_len", None) or self.config.latent_size**2
+
+    def sample_batch(self, batch: int) -> Any:
+        """An abstract global batch of ``batch`` examples."""
+        if hasattr(self.config, "sample_batch"):
+            return self.config.sample_batch(batch)
+        return jax.ShapeDtypeStruct((batch, self.config.seq_len), jnp.int32)
 
 
 def model_preset(name: str, **overrides: Any) -> ModelPreset:
@@ -65,8 +82,14 @@ def model_preset(name: str, **overrides: Any) -> ModelPreset:
     if name not in _PRESETS:
         raise StateError(f"unknown model preset {name!r}; expected one of {PRESETS}, or give the dimensions")
     family, make = _PRESETS[name]
-    seq = overrides.get("seq_len") or make().seq_len
-    defaults = {"scan_layers": True, "attention_block": math.gcd(ATTENTION_BLOCK, seq)}
+    fields = {f.name for f in dataclasses.fields(make())}
+    defaults = {}
+    if "seq_len" in fields:
+        seq = overrides.get("seq_len") or make().seq_len
+        defaults = {"scan_layers": True, "attention_block": math.gcd(ATTENTION_BLOCK, seq)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise StateError(f"preset {name!r} has no fields {unknown}; its fields are {sorted(fields)}")
     return ModelPreset(name, make(**{**defaults, **overrides}), family)
 
 
