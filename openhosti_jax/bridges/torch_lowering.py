@@ -1,0 +1,123 @@
+"""A torch ``nn.Module`` as a pure JAX function, through torchax (pinned: ``torchax==0.0.13``), isolated here.
+
+torchax 0.0.13 names aten overloads of named tensors (``aten.prod.dim_Dimname``, ``aten.norm.names_ScalarOpt_dim``,
+...) when it is imported and when its operator table is built; torch 2.13 removed them, so the import fails.
+`import_torchax` lets exactly those names resolve to inert placeholders while torchax loads (no model can call a
+removed overload), and puts back the torch global that the import changes (the MultiheadAttention fast path).
+
+`lower` gives ``apply(params, buffers, *args) -> (output, buffers)``, jittable and differentiable; parameters shared
+by two modules (a tied embedding and head) are one entry.
+
+Example:
+    >>> import torch, jax.numpy as jnp
+    >>> lin = torch.nn.Linear(3, 2)
+    >>> low = lower(lin)
+    >>> out, _ = low.apply(low.params(), low.buffers(), jnp.ones((4, 3)))
+    >>> bool(jnp.allclose(out, lin(torch.ones(4, 3)).detach().numpy(), atol=1e-6))
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from openhosti_jax.errors import BridgeError
+
+
+class _Removed:
+    """Stands for an aten overload torch no longer has (hashable, never called)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"<aten overload removed from torch: {self.name}>"
+
+
+def _named_tensor_overload(key: str) -> bool:
+    return "imname" in key.lower() or "names" in key
+
+
+@functools.cache
+def import_torchax() -> Any:
+    """torchax, imported (once) with the named-tensor overloads torch 2.13 removed standing in as placeholders."""
+    import torch
+    from torch._ops import OpOverloadPacket
+
+    original = OpOverloadPacket.__getattr__
+
+    def lenient(self: Any, key: str) -> Any:
+        try:
+            return original(self, key)
+        except AttributeError:
+            if _named_tensor_overload(key):
+                return _Removed(f"{self._qualified_op_name}.{key}")
+            raise
+
+    fast_path = torch.backends.mha.get_fastpath_enabled()
+    OpOverloadPacket.__getattr__ = lenient
+    try:
+        import torchax
+        import torchax.decompositions  # noqa: F401  (built lazily otherwise, outside this guard)
+
+        torchax.default_env()  # its operator table
+    except ImportError as e:
+        raise BridgeError(
+            f"torchax is needed to run a torch module on JAX ({e}); install the extra: "
+            "pip install 'openhosti_jax[torch]'"
+        ) from e
+    finally:
+        OpOverloadPacket.__getattr__ = original
+        torch.backends.mha.set_fastpath_enabled(fast_path)
+    return torchax
+
+
+@dataclasses.dataclass(frozen=True)
+class Lowered:
+    """A torch module as JAX: its parameter and buffer names, and ``apply``."""
+
+    module: Any
+    param_names: tuple[str, ...]
+    """Names of the distinct parameters (a tied one once, by its first name)."""
+    buffer_names: tuple[str, ...]
+    apply: Callable[..., tuple[Any, dict[str, Any]]]
+    """``apply(params, buffers, *args) -> (output, buffers after the call)``, pure."""
+
+    def params(self) -> dict[str, jax.Array]:
+        """The module's current parameter values as JAX arrays."""
+        named = dict(self.module.named_parameters())
+        return {n: jax.numpy.asarray(_numpy(named[n])) for n in self.param_names}
+
+    def buffers(self) -> dict[str, jax.Array]:
+        """The module's current buffer values as JAX arrays."""
+        named = dict(self.module.named_buffers())
+        return {n: jax.numpy.asarray(_numpy(named[n])) for n in self.buffer_names}
+
+
+def _numpy(t: Any) -> np.ndarray:
+    return t.detach().cpu().numpy()
+
+
+def lower(module: Any) -> Lowered:
+    """``module``'s forward as a pure JAX function of its parameters, buffers and arguments."""
+    torchax = import_torchax()
+    from torchax.interop import JittableModule
+
+    jm = JittableModule(module, dedup_parameters=True)
+    env = torchax.default_env()
+    names = tuple(jm.params)
+    buffer_names = tuple(jm.buffers)
+
+    def apply(params: dict[str, Any], buffers: dict[str, Any], *args: Any) -> tuple[Any, dict[str, Any]]:
+        p, b, a = env.j2t_iso((dict(params), dict(buffers), args))
+        with env:
+            out = jm.functional_call("forward", p, b, *a)
+        return env.t2j_iso(out), env.t2j_iso(b)
+
+    return Lowered(module, names, buffer_names, apply)
