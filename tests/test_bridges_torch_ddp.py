@@ -87,3 +87,59 @@ def test_importing_torchax_leaves_torch_as_it_was():
     assert torch.backends.mha.get_fastpath_enabled() == before
     with pytest.raises(AttributeError):
         torch.ops.aten.prod.no_such_overload  # noqa: B018  (only removed named-tensor overloads were lenient)
+
+
+class ConvNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = torch.nn.BatchNorm2d(8)
+        self.fc = torch.nn.Linear(8 * 6 * 6, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.relu(self.bn(self.conv(x))).flatten(1))
+
+
+@pytest.mark.timeout(600)
+def test_batch_norm_statistics_and_parameters_follow_torch():
+    torch.manual_seed(0)
+    reference = ConvNet()
+    ours = copy.deepcopy(reference)
+    g = torch.Generator().manual_seed(2)
+    batches = [(torch.randn(16, 3, 6, 6, generator=g), torch.randint(0, 5, (16,), generator=g)) for _ in range(5)]
+    make = lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)  # noqa: E731
+    ddp = OptimizedDDP(ours)
+    for model in (reference, ddp):
+        opt = make(model.parameters())
+        for x, y in batches:
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    for (name, a), b in zip(reference.state_dict().items(), ours.state_dict().values(), strict=True):
+        np.testing.assert_allclose(b.numpy(), a.numpy(), atol=1e-5, err_msg=name)
+    assert int(ours.bn.num_batches_tracked) == 5
+    ddp.eval()
+    reference.eval()
+    with torch.no_grad():  # eval uses the running statistics
+        np.testing.assert_allclose(ddp(batches[0][0]).numpy(), reference(batches[0][0]).numpy(), atol=1e-5)
+
+
+@pytest.mark.timeout(300)
+def test_dropout_draws_new_masks_and_its_gradient_uses_the_same_mask():
+    """Linear then dropout(0.5): the mask is read off the output (kept values are doubled, dropped are zero), and
+    torch computes the gradient of the same masked model; each training call draws a new mask (JAX's stream)."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(6, 16)
+    reference = copy.deepcopy(lin)
+    ddp = OptimizedDDP(torch.nn.Sequential(lin, torch.nn.Dropout(0.5)))
+    x = torch.randn(8, 6) + 3.0  # positive pre-activations: a zero output is a dropped unit
+    out = ddp(x)
+    out.pow(2).sum().backward()
+    mask = (out.detach() != 0).float()
+    assert 0.2 < float(mask.mean()) < 0.8
+    (reference(x) * mask * 2.0).pow(2).sum().backward()
+    np.testing.assert_allclose(lin.weight.grad.numpy(), reference.weight.grad.numpy(), rtol=1e-5, atol=1e-5)
+    assert not torch.equal((ddp(x).detach() != 0), mask.bool())  # a new mask on the next call
+    ddp.eval()
+    with torch.no_grad():
+        np.testing.assert_allclose(ddp(x).numpy(), lin(x).numpy(), atol=1e-5)  # no dropout in eval

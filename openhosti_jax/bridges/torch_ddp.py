@@ -4,9 +4,9 @@
 over the devices, the parameters replicated); ``loss.backward()`` runs its VJP as a second program (it recomputes the
 forward: nothing of the first program is kept alive between the two) and writes each parameter's gradient into
 ``param.grad``, summed over the devices as DDP's all-reduce leaves it; the torch optimizer then steps as before.
-Buffers the forward changes (BatchNorm's batch counter) are written back in training mode; ``model.eval()`` /
-``model.train()`` select the program. Not yet: BatchNorm running statistics (torchax's functional batch norm does not
-return them), dropout's random stream, several processes, the full mode with the planner.
+Buffers the forward changes (BatchNorm's running statistics and batch counter) are written back in training mode;
+``model.eval()`` / ``model.train()`` select the program. Dropout draws its masks from JAX's generator (``seed``), not
+torch's; the backward reuses the forward's masks. Not yet: several processes, the full mode with the planner.
 
 Example:
     >>> import torch
@@ -40,17 +40,18 @@ class _Run(torch.autograd.Function):
         p = {n: ddp._replicated(t) for n, t in zip(ddp._low.param_names, params, strict=True)}
         b = {n: ddp._replicated(t) for n, t in ddp._buffers_now().items()}
         x = tuple(ddp._split(t) for t in inputs)
-        out, new_buffers = ddp._program("forward")(p, b, *x)
+        key = ddp._next_key()
+        out, new_buffers = ddp._program("forward")(p, b, key, *x)
         if ddp.module.training:
             ddp._write_buffers(new_buffers)
-        ctx.saved = (ddp, p, b, x)
+        ctx.saved = (ddp, p, b, key, x)
         return torch.from_numpy(np.array(out))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        ddp, p, b, x = ctx.saved
+        ddp, p, b, key, x = ctx.saved
         del ctx.saved
-        grads = ddp._program("backward")(p, b, x, ddp._split(grad))
+        grads = ddp._program("backward")(p, b, key, x, ddp._split(grad))  # the forward's dropout masks again
         param_grads = (torch.from_numpy(np.array(grads[n])) for n in ddp._low.param_names)
         return (None, None, *[None] * len(x), *param_grads)
 
@@ -59,8 +60,11 @@ class OptimizedDDP(torch.nn.Module):
     """``module`` trained data-parallel over ``mesh``'s ``data_axis`` (default: every device on one axis), its
     forward and backward lowered to JAX (`openhosti_jax.bridges.torch_lowering`)."""
 
-    def __init__(self, module: torch.nn.Module, mesh: Mesh | None = None, data_axis: str = "data") -> None:
+    def __init__(
+        self, module: torch.nn.Module, mesh: Mesh | None = None, data_axis: str = "data", seed: int = 0
+    ) -> None:
         super().__init__()
+        self._key = jax.random.key(seed)
         self.module = module
         self.mesh = mesh if mesh is not None else Mesh(np.array(jax.devices()), (data_axis,))
         if data_axis not in self.mesh.axis_names:
@@ -75,6 +79,10 @@ class OptimizedDDP(torch.nn.Module):
             raise BridgeError(f"OptimizedDDP takes tensors as positional inputs; inputs {bad} are not tensors")
         named = dict(self.module.named_parameters())
         return _Run.apply(self, len(inputs), *inputs, *(named[n] for n in self._low.param_names))
+
+    def _next_key(self) -> jax.Array:
+        self._key, key = jax.random.split(self._key)
+        return key
 
     def _replicated(self, t: torch.Tensor) -> jax.Array:
         return jax.device_put(t.detach().cpu().numpy(), NamedSharding(self.mesh, P()))
@@ -95,7 +103,7 @@ class OptimizedDDP(torch.nn.Module):
     def _write_buffers(self, new: dict[str, Any]) -> None:
         with torch.no_grad():
             for n, t in self._buffers_now().items():
-                t.copy_(torch.from_numpy(np.asarray(new[n])))
+                t.copy_(torch.from_numpy(np.array(new[n])))
 
     def _program(self, kind: str) -> Any:
         """The jitted forward or backward for the module's current mode (train / eval trace differently)."""
@@ -103,11 +111,15 @@ class OptimizedDDP(torch.nn.Module):
         if key not in self._programs:
             apply = self._low.apply
             if kind == "forward":
-                self._programs[key] = jax.jit(apply)
+
+                def forward(p: Any, b: Any, key: Any, *x: Any) -> Any:  # one function per mode: jax caches by it
+                    return apply(p, b, *x, key=key)
+
+                self._programs[key] = jax.jit(forward)
             else:
 
-                def vjp(p: Any, b: Any, x: Any, g: Any) -> Any:
-                    _, pull = jax.vjp(lambda q: apply(q, b, *x)[0], p)
+                def vjp(p: Any, b: Any, key: Any, x: Any, g: Any) -> Any:
+                    _, pull = jax.vjp(lambda q: apply(q, b, *x, key=key)[0], p)
                     return pull(g)[0]
 
                 self._programs[key] = jax.jit(vjp)

@@ -5,8 +5,9 @@ torchax 0.0.13 names aten overloads of named tensors (``aten.prod.dim_Dimname``,
 `import_torchax` lets exactly those names resolve to inert placeholders while torchax loads (no model can call a
 removed overload), and puts back the torch global that the import changes (the MultiheadAttention fast path).
 
-`lower` gives ``apply(params, buffers, *args) -> (output, buffers)``, jittable and differentiable; parameters shared
-by two modules (a tied embedding and head) are one entry.
+`lower` gives ``apply(params, buffers, *args, key=None) -> (output, buffers)``, jittable and differentiable;
+parameters shared by two modules (a tied embedding and head) are one entry. Batch norm writes its running statistics
+into the returned buffers as torch does (torchax's own drops them).
 
 Example:
     >>> import torch, jax.numpy as jnp
@@ -19,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -66,7 +68,7 @@ def import_torchax() -> Any:
         import torchax
         import torchax.decompositions  # noqa: F401  (built lazily otherwise, outside this guard)
 
-        torchax.default_env()  # its operator table
+        _batch_norm_writes_running_stats(torchax.default_env())  # builds its operator table, then corrects it
     except ImportError as e:
         raise BridgeError(
             f"torchax is needed to run a torch module on JAX ({e}); install the extra: "
@@ -78,6 +80,42 @@ def import_torchax() -> Any:
     return torchax
 
 
+def _batch_norm_writes_running_stats(env: Any) -> None:
+    """torchax's batch norm computes the running statistics and drops them; torch writes them into the module's
+    buffers (the variance unbiased). This one does as torch does, on torchax tensors."""
+    import torch
+
+    def batch_norm(
+        x: Any, weight: Any, bias: Any, mean_run: Any, var_run: Any, training: bool, momentum: float, eps: float
+    ) -> tuple[Any, Any, Any]:
+        dims, shape = [0, *range(2, x.ndim)], [1, -1] + [1] * (x.ndim - 2)
+        if training:
+            mean = x.mean(dims)
+            var = ((x - mean.reshape(shape)) ** 2).mean(dims)
+            n = x.numel() // x.shape[1]
+            if mean_run is not None and var_run is not None:
+                with torch.no_grad():
+                    mean_run.copy_((1 - momentum) * mean_run + momentum * mean.detach())
+                    var_run.copy_((1 - momentum) * var_run + momentum * var.detach() * n / max(n - 1, 1))
+        else:
+            mean, var = mean_run, var_run
+        rstd = torch.rsqrt(var + eps)
+        out = (x - mean.reshape(shape)) * rstd.reshape(shape)
+        if weight is not None:
+            out = out * weight.reshape(shape)
+        if bias is not None:
+            out = out + bias.reshape(shape)
+        return out, mean, rstd
+
+    def no_training(x: Any, weight: Any, bias: Any, mean_run: Any, var_run: Any, momentum: float, eps: float) -> Any:
+        return batch_norm(x, weight, bias, mean_run, var_run, False, momentum, eps)
+
+    aten = torch.ops.aten
+    env.override_op_definition(aten._native_batch_norm_legit.default, batch_norm)
+    env.override_op_definition(aten.native_batch_norm.default, batch_norm)
+    env.override_op_definition(aten._native_batch_norm_legit_no_training.default, no_training)
+
+
 @dataclasses.dataclass(frozen=True)
 class Lowered:
     """A torch module as JAX: its parameter and buffer names, and ``apply``."""
@@ -87,7 +125,8 @@ class Lowered:
     """Names of the distinct parameters (a tied one once, by its first name)."""
     buffer_names: tuple[str, ...]
     apply: Callable[..., tuple[Any, dict[str, Any]]]
-    """``apply(params, buffers, *args) -> (output, buffers after the call)``, pure."""
+    """``apply(params, buffers, *args, key=None) -> (output, buffers after the call)``, pure; ``key`` draws the
+    random numbers (dropout) with JAX's generator, not torch's."""
 
     def params(self) -> dict[str, jax.Array]:
         """The module's current parameter values as JAX arrays."""
@@ -114,9 +153,11 @@ def lower(module: Any) -> Lowered:
     names = tuple(jm.params)
     buffer_names = tuple(jm.buffers)
 
-    def apply(params: dict[str, Any], buffers: dict[str, Any], *args: Any) -> tuple[Any, dict[str, Any]]:
+    def apply(
+        params: dict[str, Any], buffers: dict[str, Any], *args: Any, key: jax.Array | None = None
+    ) -> tuple[Any, dict[str, Any]]:
         p, b, a = env.j2t_iso((dict(params), dict(buffers), args))
-        with env:
+        with env, env.override_property(prng=key) if key is not None else contextlib.nullcontext():
             out = jm.functional_call("forward", p, b, *a)
         return env.t2j_iso(out), env.t2j_iso(b)
 
