@@ -12,16 +12,25 @@ Prints one JSON object on its last line (keys in /work/shared/BENCHMARKS.md):
   minus that (``adapter_us``; the adapter drives a single-process loader directly, without the DataLoader's
   iterator), the native source without placement (``native_source_us``), and the placement on the mesh
   (``placement_us``, the same `place_batch` for both).
+- ``optimized_ddp_over_torch_ddp_step``: the step time (forward, backward, AdamW) of `OptimizedDDP`'s drop-in mode
+  over torch's ``DistributedDataParallel`` (gloo), 2 processes started as torchrun starts them, one CPU device each,
+  the same tied-embedding transformer; median over rounds of the ratio within a round (reported; no goal on CPU).
 Runs alternate A and B in one process; loader ratios are medians over rounds of the ratio within a round.
 """
 
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+_DEVICES = 1 if os.environ.get("BRIDGES_DDP_WORKER") else 8
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={_DEVICES}"
+).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import json  # noqa: E402
+import socket  # noqa: E402
 import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -159,15 +168,90 @@ def loader_ratios(rounds: int = 15, batches: int = 40) -> dict[str, float]:
     }
 
 
+class _TinyGPT(torch.nn.Module):
+    def __init__(self, vocab: int = 512, d: int = 128) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, d)
+        self.block = torch.nn.TransformerEncoderLayer(d, 4, 4 * d, dropout=0.0, batch_first=True)
+        self.head = torch.nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(self.embed(tokens)))
+
+
+def _ddp_worker(rounds: int = 7, steps: int = 10) -> None:
+    """One of 2 processes: times torch DDP and OptimizedDDP steps, alternating, and prints the ratios."""
+    import torch.distributed as dist
+
+    from openhosti_jax.bridges.torch_ddp import OptimizedDDP
+
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    base = _TinyGPT()
+    models = {"torch": torch.nn.parallel.DistributedDataParallel(base), "ours": OptimizedDDP(_TinyGPT())}
+    opts = {k: torch.optim.AdamW(m.parameters(), 1e-3) for k, m in models.items()}
+    tokens = torch.randint(0, 512, (8, 128))
+
+    def run(k: str) -> float:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            opts[k].zero_grad()
+            logits = models[k](tokens)
+            torch.nn.functional.cross_entropy(logits.reshape(-1, 512), tokens.reshape(-1)).backward()
+            opts[k].step()
+        return (time.perf_counter() - t0) / steps
+
+    run("torch"), run("ours")  # compile and warm up
+    ratios = [run("ours") / run("torch") for _ in range(rounds)]
+    if dist.get_rank() == 0:
+        print("DDP " + json.dumps({"optimized_ddp_over_torch_ddp_step": statistics.median(ratios)}), flush=True)
+    dist.destroy_process_group()
+
+
+def ddp_ratio() -> dict[str, float]:
+    """`_ddp_worker` over 2 processes with torchrun's variables."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__)],
+            env={
+                **{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
+                "BRIDGES_DDP_WORKER": "1",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "RANK": str(r),
+                "LOCAL_RANK": str(r),
+                "WORLD_SIZE": "2",
+            },
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    out = [p.communicate(timeout=600)[0] for p in procs]
+    line = next((x for x in out[0].splitlines() if x.startswith("DDP ")), None)
+    if line is None:
+        raise RuntimeError("the DDP workers printed no result:\n" + "\n".join(o[-2000:] for o in out))
+    return json.loads(line[4:])
+
+
 def main() -> None:
     conv = conversion_ratios()
     result = {
         "zero_copy_1gb_over_1mb": max(conv["to_torch_1gb_over_1mb"], conv["to_jax_1gb_over_1mb"]),
         **conv,
         **loader_ratios(),
+        **ddp_ratio(),
     }
     print(json.dumps({k: round(v, 4) for k, v in result.items()}))
 
 
 if __name__ == "__main__":
-    main()
+    if os.environ.get("BRIDGES_DDP_WORKER"):
+        _ddp_worker()
+    else:
+        main()

@@ -54,3 +54,22 @@ def test_initialize_distributed_single_process_is_a_noop(monkeypatch):
     monkeypatch.setenv("OPENHOSTI_COORDINATOR", "127.0.0.1:1")
     with pytest.raises(DistributedError, match="num_processes"):
         initialize_distributed()
+
+
+def test_torchrun_environment_starts_jax_distributed(monkeypatch):
+    """torchrun's variables become the coordinator (MASTER_PORT + 1), process count and id."""
+    from openhosti_jax.mesh import distributed
+
+    for k in ("SLURM_JOB_ID", "OPENHOSTI_COORDINATOR", "OPENHOSTI_NUM_PROCESSES", "OPENHOSTI_PROCESS_ID"):
+        monkeypatch.delenv(k, raising=False)
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    seen = {}
+    monkeypatch.setattr(distributed, "_is_initialized", lambda: False)
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: seen.update(kw))
+    assert initialize_distributed() is True
+    assert (seen["coordinator_address"], seen["num_processes"], seen["process_id"]) == ("127.0.0.1:29501", 2, 1)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    assert initialize_distributed() is False  # torchrun with one worker: a single process

@@ -6,7 +6,11 @@ forward: nothing of the first program is kept alive between the two) and writes 
 ``param.grad``, summed over the devices as DDP's all-reduce leaves it; the torch optimizer then steps as before.
 Buffers the forward changes (BatchNorm's running statistics and batch counter) are written back in training mode;
 ``model.eval()`` / ``model.train()`` select the program. Dropout draws its masks from JAX's generator (``seed``), not
-torch's; the backward reuses the forward's masks. Not yet: several processes, the full mode with the planner.
+torch's; the backward reuses the forward's masks. Under torchrun each process passes its own batch and gets its own
+rows of the output back; the runtime starts from torchrun's variables, process 0's parameters and buffers are
+broadcast as DDP broadcasts them, and gradients are averaged over the processes. Batch norm normalises over the
+global batch (as ``SyncBatchNorm``), where DDP's normalises over each process's. Not yet: the full mode with the
+planner.
 
 Example:
     >>> import torch
@@ -24,11 +28,18 @@ from typing import Any
 import jax
 import numpy as np
 import torch
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from openhosti_jax.bridges.torch_lowering import Lowered, lower
 from openhosti_jax.errors import BatchError, BridgeError
+from openhosti_jax.mesh.distributed import initialize_distributed
+
+
+def _local(x: jax.Array) -> np.ndarray:
+    """A replicated array's value on this process (a writable copy)."""
+    return np.array(x.addressable_data(0))
 
 
 class _Run(torch.autograd.Function):
@@ -45,14 +56,16 @@ class _Run(torch.autograd.Function):
         if ddp.module.training:
             ddp._write_buffers(new_buffers)
         ctx.saved = (ddp, p, b, key, x)
-        return torch.from_numpy(np.array(out))
+        return torch.from_numpy(np.array(multihost_utils.global_array_to_host_local_array(out, ddp.mesh, ddp._rows)))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         ddp, p, b, key, x = ctx.saved
         del ctx.saved
         grads = ddp._program("backward")(p, b, key, x, ddp._split(grad))  # the forward's dropout masks again
-        param_grads = (torch.from_numpy(np.array(grads[n])) for n in ddp._low.param_names)
+        # each process's loss is its own batch's, so the program's sum over processes is averaged, as DDP does
+        scale = 1.0 / jax.process_count()
+        param_grads = (torch.from_numpy(_local(grads[n]) * scale) for n in ddp._low.param_names)
         return (None, None, *[None] * len(x), *param_grads)
 
 
@@ -64,14 +77,21 @@ class OptimizedDDP(torch.nn.Module):
         self, module: torch.nn.Module, mesh: Mesh | None = None, data_axis: str = "data", seed: int = 0
     ) -> None:
         super().__init__()
+        initialize_distributed()  # torchrun's (or openhosti launch's) environment: one JAX runtime over the processes
         self._key = jax.random.key(seed)
         self.module = module
         self.mesh = mesh if mesh is not None else Mesh(np.array(jax.devices()), (data_axis,))
         if data_axis not in self.mesh.axis_names:
             raise BridgeError(f"the mesh has axes {self.mesh.axis_names}, not {data_axis!r}; pass data_axis=")
         self.data_axis = data_axis
+        self._rows = P(data_axis)
         self._low: Lowered = lower(module)
         self._programs: dict[tuple[str, bool], Any] = {}
+        if jax.process_count() > 1:  # as DDP does: every process starts from process 0's parameters and buffers
+            with torch.no_grad():
+                state = {k: v.detach().cpu().numpy() for k, v in module.state_dict().items()}
+                for k, v in multihost_utils.broadcast_one_to_all(state).items():
+                    module.state_dict()[k].copy_(torch.from_numpy(np.array(v)))
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
         bad = [i for i, t in enumerate(inputs) if not isinstance(t, torch.Tensor)]
@@ -85,16 +105,19 @@ class OptimizedDDP(torch.nn.Module):
         return key
 
     def _replicated(self, t: torch.Tensor) -> jax.Array:
-        return jax.device_put(t.detach().cpu().numpy(), NamedSharding(self.mesh, P()))
+        value = t.detach().cpu().numpy()
+        return jax.make_array_from_callback(value.shape, NamedSharding(self.mesh, P()), lambda index: value[index])
 
     def _split(self, t: torch.Tensor) -> jax.Array:
-        n = self.mesh.shape[self.data_axis]
+        """This process's batch (dim 0), as its rows of the global batch over the data axis."""
+        n = self.mesh.shape[self.data_axis] // jax.process_count()
         if t.ndim == 0 or t.shape[0] % n:
             raise BatchError(
-                f"OptimizedDDP splits dim 0 of each input over {n} devices; found shape {tuple(t.shape)}. Give a "
-                f"batch that is a multiple of {n}"
+                f"OptimizedDDP splits dim 0 of each input over this process's {n} devices; found shape "
+                f"{tuple(t.shape)}. Give a batch that is a multiple of {n}"
             )
-        return jax.device_put(t.detach().cpu().numpy(), NamedSharding(self.mesh, P(self.data_axis)))
+        value = t.detach().cpu().numpy()
+        return jax.make_array_from_process_local_data(NamedSharding(self.mesh, self._rows), value)
 
     def _buffers_now(self) -> dict[str, torch.Tensor]:
         named = dict(self.module.named_buffers())
@@ -103,7 +126,7 @@ class OptimizedDDP(torch.nn.Module):
     def _write_buffers(self, new: dict[str, Any]) -> None:
         with torch.no_grad():
             for n, t in self._buffers_now().items():
-                t.copy_(torch.from_numpy(np.array(new[n])))
+                t.copy_(torch.from_numpy(_local(new[n])))
 
     def _program(self, kind: str) -> Any:
         """The jitted forward or backward for the module's current mode (train / eval trace differently)."""

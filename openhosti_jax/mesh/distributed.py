@@ -21,6 +21,8 @@ _CLUSTER_ENV = (
     "MEGASCALE_COORDINATOR_ADDRESS",  # multi-slice TPU
     "JOBSET_NAME",  # Kubernetes JobSet
 )
+_TORCHRUN_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
+"""Set by torchrun (and torch.distributed.launch) for every worker."""
 _ENV_COORD = "OPENHOSTI_COORDINATOR"
 _ENV_NPROC = "OPENHOSTI_NUM_PROCESSES"
 _ENV_PID = "OPENHOSTI_PROCESS_ID"
@@ -41,8 +43,10 @@ def initialize_distributed(
     """Join the multi-process runtime if this is one process of several; return whether it is now initialised.
 
     Arguments default to ``OPENHOSTI_COORDINATOR`` / ``OPENHOSTI_NUM_PROCESSES`` / ``OPENHOSTI_PROCESS_ID`` (set by
-    ``openhosti launch``); failing those, a detected cluster environment (SLURM, Open MPI, TPU, Kubernetes) is left
-    to `jax.distributed.initialize`'s own auto-detection. With neither, this is a no-op single-process run.
+    ``openhosti launch``), then to torchrun's ``MASTER_ADDR`` / ``MASTER_PORT`` / ``RANK`` / ``WORLD_SIZE`` (JAX's
+    coordinator listens on ``MASTER_PORT + 1``: torch's own store keeps ``MASTER_PORT``); failing those, a detected
+    cluster environment (SLURM, Open MPI, TPU, Kubernetes) is left to `jax.distributed.initialize`'s own
+    auto-detection. With neither, this is a no-op single-process run.
     Must be called before any other JAX call touches the devices.
     """
     if _is_initialized():
@@ -52,6 +56,10 @@ def initialize_distributed(
         num_processes = int(os.environ[_ENV_NPROC])
     if process_id is None and _ENV_PID in os.environ:
         process_id = int(os.environ[_ENV_PID])
+    if coordinator_address is None and all(k in os.environ for k in _TORCHRUN_ENV):
+        coordinator_address = f"{os.environ['MASTER_ADDR']}:{int(os.environ['MASTER_PORT']) + 1}"
+        num_processes = int(os.environ["WORLD_SIZE"]) if num_processes is None else num_processes
+        process_id = int(os.environ["RANK"]) if process_id is None else process_id
     explicit = coordinator_address is not None
     detected = any(k in os.environ for k in _CLUSTER_ENV)
     if not explicit and not detected:

@@ -1,0 +1,109 @@
+"""OptimizedDDP against torch's DistributedDataParallel over 2 processes started as torchrun starts them
+(``MASTER_ADDR`` / ``MASTER_PORT`` / ``RANK`` / ``WORLD_SIZE``): the same losses on every rank, the same parameters.
+
+Run as a script, this file is one worker.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def worker() -> None:
+    import copy
+
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from test_bridges_torch_ddp import TinyGPT, _train
+
+    from openhosti_jax.bridges.torch_ddp import OptimizedDDP
+
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo")
+    torch.manual_seed(rank)  # different starting weights per rank: both wrappers broadcast rank 0's
+    model = TinyGPT()
+    ours = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(10 + rank)  # each rank its own batches
+    batches = [
+        (torch.randint(0, 64, (4, 12), generator=g), torch.randint(0, 64, (4, 12), generator=g)) for _ in range(5)
+    ]
+    make = lambda p: torch.optim.SGD(p, lr=0.5, momentum=0.9)  # noqa: E731
+    torch_losses = _train(torch.nn.parallel.DistributedDataParallel(model), make, batches)
+    our_losses = _train(OptimizedDDP(ours), make, batches)
+    diff = max(
+        float(np.abs(a.detach().numpy() - b.detach().numpy()).max())
+        for a, b in zip(model.parameters(), ours.parameters(), strict=True)
+    )
+    print(
+        "RESULT " + json.dumps({"rank": rank, "torch": torch_losses, "ours": our_losses, "param_diff": diff}),
+        flush=True,
+    )
+    dist.destroy_process_group()
+
+
+def _two_free_ports() -> int:
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+            return port
+    raise RuntimeError("no two adjacent free ports")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_processes_match_torch_ddp():
+    pytest.importorskip("torch")
+    port = _two_free_ports()
+    base = {k: v for k, v in os.environ.items() if not k.startswith("OPENHOSTI_")}
+    procs = []
+    for rank in range(2):
+        env = {
+            **base,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "JAX_PLATFORMS": "cpu",
+            "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+            "PYTHONPATH": ROOT + os.pathsep + base.get("PYTHONPATH", ""),
+        }
+        cmd = [sys.executable, os.path.abspath(__file__)]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=240)[0])
+    finally:
+        for p in procs:
+            p.kill()
+    results = {}
+    for text in outs:
+        for line in text.splitlines():
+            if line.startswith("RESULT "):
+                r = json.loads(line[7:])
+                results[r["rank"]] = r
+    assert set(results) == {0, 1}, "\n".join(o[-3000:] for o in outs)
+    for r in results.values():
+        assert r["torch"] == pytest.approx(r["ours"], rel=1e-5)
+        assert r["param_diff"] < 1e-5
+    assert results[0]["torch"] != results[1]["torch"]  # each rank trained on its own batches
+
+
+if __name__ == "__main__":
+    worker()
