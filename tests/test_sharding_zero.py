@@ -95,3 +95,21 @@ def test_zero_specs_shard_opt_state_by_stage():
         plan = ShardingPlan.from_zero(params, tx, {"fsdp": 8}, stage)
         assert plan.param_specs["w"][0] == p
         assert plan.opt_specs[0].mu["w"][0] == o
+
+
+def test_multi_transform_state_is_sharded_like_its_parameters():
+    """optax.multi_transform's inner states hold masked parameter trees; each moment still gets its parameter's spec
+    (found by path), the counts stay replicated."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from jax.sharding import PartitionSpec as P
+
+    from openhosti_jax.sharding.zero import zero_specs
+
+    params = {"w": jax.ShapeDtypeStruct((64, 128), jnp.float32), "b": jax.ShapeDtypeStruct((128,), jnp.float32)}
+    tx = optax.multi_transform({"a": optax.adam(1e-3), "s": optax.sgd(0.1)}, {"w": "a", "b": "s"})
+    p_specs, _, o_specs = zero_specs(params, tx, {"data": 8}, 3, min_elements=1)
+    adam = o_specs.inner_states["a"].inner_state[0]
+    assert adam.mu["w"] == p_specs["w"] and adam.nu["w"] == p_specs["w"] and p_specs["w"] != P(None, None)
+    assert adam.count == P()

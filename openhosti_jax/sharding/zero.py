@@ -87,14 +87,17 @@ def opt_state_specs(tx: Optimizer, params: Any, leaf_specs: Any) -> Any:
     if not isinstance(tx, optax.GradientTransformation):
         return mirror_specs(tx, params, leaf_specs)
     abstract_state = _abstract_state(tx, params)
-    return optax.tree_map_params(
-        tx,
-        lambda _, spec: spec,
-        abstract_state,
-        leaf_specs,
-        transform_non_params=lambda _: P(),
-        is_leaf=is_spec,
-    )
+    try:
+        return optax.tree_map_params(
+            tx,
+            lambda _, spec: spec,
+            abstract_state,
+            leaf_specs,
+            transform_non_params=lambda _: P(),
+            is_leaf=is_spec,
+        )
+    except ValueError:  # a state whose parameter trees are partial (multi_transform's masked groups): by path
+        return mirror_specs(abstract_state, params, leaf_specs)
 
 
 def zero_specs(
