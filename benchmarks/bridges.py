@@ -184,7 +184,7 @@ def _ddp_worker(rounds: int = 7, steps: int = 10) -> None:
     """One of 2 processes: times torch DDP and OptimizedDDP steps, alternating, and prints the ratios."""
     import torch.distributed as dist
 
-    from openhosti_jax.bridges.torch_ddp import OptimizedDDP
+    from openhosti_jax.train.torch_ddp import OptimizedDDP
 
     dist.init_process_group("gloo")
     torch.manual_seed(0)

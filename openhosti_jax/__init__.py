@@ -16,6 +16,16 @@ from openhosti_jax.train import Trainer, TrainerCheckpoint, balanced_step, creat
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str) -> object:
+    """``OptimizedDDP`` on first use: it imports torch, which ``import openhosti_jax`` does not."""
+    if name == "OptimizedDDP":
+        from openhosti_jax.train.torch_ddp import OptimizedDDP
+
+        return OptimizedDDP
+    raise AttributeError(f"module 'openhosti_jax' has no attribute {name!r}")
+
+
 __all__ = [
     "ArrayDataset",
     "CheckpointManager",

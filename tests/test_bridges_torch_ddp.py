@@ -11,9 +11,9 @@ torch = pytest.importorskip("torch")
 if importlib.util.find_spec("torchax") is None:  # imported through the shim only: plain import fails on torch 2.13
     pytest.skip("needs torchax (the torch extra)", allow_module_level=True)
 
-from openhosti_jax.bridges.torch_ddp import OptimizedDDP  # noqa: E402
 from openhosti_jax.bridges.torch_lowering import import_torchax  # noqa: E402
 from openhosti_jax.errors import BatchError  # noqa: E402
+from openhosti_jax.train.torch_ddp import OptimizedDDP  # noqa: E402
 
 
 class TinyGPT(torch.nn.Module):
@@ -143,3 +143,77 @@ def test_dropout_draws_new_masks_and_its_gradient_uses_the_same_mask():
     ddp.eval()
     with torch.no_grad():
         np.testing.assert_allclose(ddp(x).numpy(), lin(x).numpy(), atol=1e-5)  # no dropout in eval
+
+
+def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def _groups(model: torch.nn.Module) -> list[dict]:
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    rest = [p for n, p in model.named_parameters() if p.ndim < 2]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0, "lr": 5e-3}]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("plan", ["fsdp", "auto"])
+def test_full_mode_trains_as_plain_torch_with_sharded_state(plan):
+    """torch AdamW with two parameter groups (decay on matrices only, another rate for the rest) mapped to optax; the
+    module's weights come back through state_dict()."""
+    torch.manual_seed(0)
+    reference = TinyGPT(vocab=256)  # an embedding large enough to shard (>= 4096 elements)
+    ours = copy.deepcopy(reference)
+    g = torch.Generator().manual_seed(1)
+    batches = [
+        (torch.randint(0, 256, (8, 12), generator=g), torch.randint(0, 256, (8, 12), generator=g)) for _ in range(5)
+    ]
+    opt = torch.optim.AdamW(_groups(reference), lr=1e-2)
+    expected = []
+    for x, y in batches:
+        opt.zero_grad()
+        loss = _loss(reference(x), y)
+        loss.backward()
+        opt.step()
+        expected.append(float(loss.detach()))
+    ddp = OptimizedDDP(ours, optimizer=torch.optim.AdamW(_groups(ours), lr=1e-2), loss_fn=_loss, plan=plan)
+    got = [float(ddp.train_step(x, y)) for x, y in batches]
+    np.testing.assert_allclose(got, expected, rtol=1e-5)
+    if plan == "fsdp":  # ZeRO-3: the embedding is split over the 8 devices
+        emb = ddp.full_state.params["embed.weight"]
+        local = emb.addressable_shards[0].data.shape
+        assert local[0] * local[1] * 8 == emb.shape[0] * emb.shape[1]
+    state = ddp.state_dict()
+    for (name, a), b in zip(reference.state_dict().items(), ours.state_dict().values(), strict=True):
+        if name.endswith("in_proj_bias"):
+            continue  # the key bias's exactly-zero gradient: Adam amplifies its float noise
+        np.testing.assert_allclose(b.numpy(), a.numpy(), atol=1e-5, err_msg=name)
+    assert set(state) == {f"module.{k}" for k in ours.state_dict()}
+
+
+def test_bad_input_is_named():
+    from openhosti_jax.errors import BridgeError
+
+    torch.manual_seed(0)
+    model = TinyGPT()
+    with pytest.raises(BridgeError, match="RMSprop has no optax equivalent"):
+        OptimizedDDP(model, optimizer=torch.optim.RMSprop(model.parameters()), loss_fn=_loss)
+    with pytest.raises(BridgeError, match="both optimizer"):
+        OptimizedDDP(model, loss_fn=_loss)
+    with pytest.raises(BridgeError, match="full mode"):
+        OptimizedDDP(model).train_step(torch.zeros(8, 12, dtype=torch.long), torch.zeros(8, 12, dtype=torch.long))
+
+    class Poisson(torch.nn.Module):
+        def forward(self, x):
+            return torch.poisson(x)
+
+    class Fresh(torch.nn.Module):
+        def forward(self, x):
+            return x + torch.ones(x.shape[-1])
+
+    net = torch.nn.Sequential()
+    net.add_module("lin", torch.nn.Linear(4, 4))
+    net.add_module("poisson", Poisson())
+    with pytest.raises(BridgeError, match=r"aten::poisson has no lowering in module 'poisson'"):
+        OptimizedDDP(net)(torch.ones(8, 4))
+    with pytest.raises(BridgeError, match=r"in module 'Fresh' lives on torch's CPU device"):
+        OptimizedDDP(Fresh())(torch.ones(8, 4))

@@ -158,7 +158,60 @@ def lower(module: Any) -> Lowered:
     ) -> tuple[Any, dict[str, Any]]:
         p, b, a = env.j2t_iso((dict(params), dict(buffers), args))
         with env, env.override_property(prng=key) if key is not None else contextlib.nullcontext():
-            out = jm.functional_call("forward", p, b, *a)
+            out = _explained(module, lambda: jm.functional_call("forward", p, b, *a))
         return env.t2j_iso(out), env.t2j_iso(b)
 
     return Lowered(module, names, buffer_names, apply)
+
+
+def lower_function(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A torch function of tensors (a loss) as a JAX function of arrays."""
+    env = import_torchax().default_env()
+
+    def lowered(*args: Any) -> Any:
+        a = env.j2t_iso(args)
+        with env:
+            out = _explained(None, lambda: fn(*a))
+        return env.t2j_iso(out)
+
+    return lowered
+
+
+def _explained(module: Any, call: Callable[[], Any]) -> Any:
+    """``call()``, with torchax's failures turned into errors that name the op, the module path and the fix."""
+    import torch
+    from torchax.tensor import OperatorNotFound
+
+    names = {id(m): n or type(m).__name__ for n, m in module.named_modules()} if module is not None else {}
+    stack: list[str] = [type(module).__name__] if module is not None else []  # its own forward is called directly
+
+    def enter(m: Any, _: Any) -> None:
+        stack.append(names.get(id(m), type(m).__name__))
+
+    def leave(m: Any, _: Any, __: Any) -> None:
+        if len(stack) > 1:
+            stack.pop()
+
+    hooks = [
+        torch.nn.modules.module.register_module_forward_pre_hook(enter),
+        torch.nn.modules.module.register_module_forward_hook(leave),
+    ]
+    try:
+        return call()
+    except OperatorNotFound as e:
+        where = f" in module {stack[-1]!r}" if stack else ""
+        raise BridgeError(
+            f"{e}{where}: torchax 0.0.13 cannot run it on JAX. Write that step with other torch ops, or register a "
+            "lowering: import_torchax().default_env().override_op_definition(op, impl)"
+        ) from e
+    except AssertionError as e:
+        if "mixed math" not in str(e):
+            raise
+        where = f" in module {stack[-1]!r}" if stack else ""
+        raise BridgeError(
+            f"a tensor made in forward(){where} lives on torch's CPU device while the module runs on JAX; create "
+            "it like its inputs (torch.ones(..., device=x.device), torch.zeros_like(x)) or register it as a buffer"
+        ) from e
+    finally:
+        for h in hooks:
+            h.remove()

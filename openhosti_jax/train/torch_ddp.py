@@ -9,8 +9,13 @@ Buffers the forward changes (BatchNorm's running statistics and batch counter) a
 torch's; the backward reuses the forward's masks. Under torchrun each process passes its own batch and gets its own
 rows of the output back; the runtime starts from torchrun's variables, process 0's parameters and buffers are
 broadcast as DDP broadcasts them, and gradients are averaged over the processes. Batch norm normalises over the
-global batch (as ``SyncBatchNorm``), where DDP's normalises over each process's. Not yet: the full mode with the
-planner.
+global batch (as ``SyncBatchNorm``), where DDP's normalises over each process's.
+
+The full mode, ``OptimizedDDP(module, optimizer=opt, loss_fn=loss, plan="fsdp")`` then ``model.train_step(x, y)``,
+maps the torch optimizer to optax (`openhosti_jax.bridges.torch_optim`: AdamW, Adam, SGD, their groups) and runs
+forward, loss, gradient and update as one program whose parameters and optimizer state the plan shards (ZeRO-3 by
+default); `state_dict` writes the trained weights back into the module. Buffers stay as they were (BatchNorm's
+running statistics are not updated in this mode).
 
 Example:
     >>> import torch
@@ -32,9 +37,13 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from openhosti_jax.bridges.torch_lowering import Lowered, lower
+from openhosti_jax.bridges.torch_lowering import Lowered, lower, lower_function
+from openhosti_jax.bridges.torch_optim import optax_from_torch
 from openhosti_jax.errors import BatchError, BridgeError
+from openhosti_jax.mesh import MeshConfig, build_mesh
 from openhosti_jax.mesh.distributed import initialize_distributed
+from openhosti_jax.train.create import Strategy, create_train_state
+from openhosti_jax.train.spmd import spmd
 
 
 def _local(x: jax.Array) -> np.ndarray:
@@ -70,23 +79,41 @@ class _Run(torch.autograd.Function):
 
 
 class OptimizedDDP(torch.nn.Module):
-    """``module`` trained data-parallel over ``mesh``'s ``data_axis`` (default: every device on one axis), its
-    forward and backward lowered to JAX (`openhosti_jax.bridges.torch_lowering`)."""
+    """``module`` trained data-parallel over ``mesh``'s ``data_axis`` (default: the library's mesh with every device
+    on ``data``), its forward and backward lowered to JAX (`openhosti_jax.bridges.torch_lowering`)."""
 
     def __init__(
-        self, module: torch.nn.Module, mesh: Mesh | None = None, data_axis: str = "data", seed: int = 0
+        self,
+        module: torch.nn.Module,
+        mesh: Mesh | None = None,
+        data_axis: str = "data",
+        seed: int = 0,
+        *,
+        optimizer: torch.optim.Optimizer | None = None,
+        loss_fn: Any = None,
+        plan: Strategy = "fsdp",
     ) -> None:
         super().__init__()
+        if (optimizer is None) != (loss_fn is None):
+            raise BridgeError(
+                "the full mode takes both optimizer= (a torch optimizer) and loss_fn=(output, targets) -> loss; the "
+                "drop-in mode takes neither"
+            )
         initialize_distributed()  # torchrun's (or openhosti launch's) environment: one JAX runtime over the processes
         self._key = jax.random.key(seed)
         self.module = module
-        self.mesh = mesh if mesh is not None else Mesh(np.array(jax.devices()), (data_axis,))
+        self.mesh = mesh if mesh is not None else build_mesh(MeshConfig(data=-1))
         if data_axis not in self.mesh.axis_names:
             raise BridgeError(f"the mesh has axes {self.mesh.axis_names}, not {data_axis!r}; pass data_axis=")
         self.data_axis = data_axis
         self._rows = P(data_axis)
         self._low: Lowered = lower(module)
         self._programs: dict[tuple[str, bool], Any] = {}
+        self._full: dict[str, Any] | None = None
+        if optimizer is not None:
+            named = dict(module.named_parameters())
+            tx = optax_from_torch(optimizer, {n: named[n] for n in self._low.param_names})
+            self._full = {"tx": tx, "loss": lower_function(loss_fn), "plan": plan, "state": None, "step": None}
         if jax.process_count() > 1:  # as DDP does: every process starts from process 0's parameters and buffers
             with torch.no_grad():
                 state = {k: v.detach().cpu().numpy() for k, v in module.state_dict().items()}
@@ -99,6 +126,63 @@ class OptimizedDDP(torch.nn.Module):
             raise BridgeError(f"OptimizedDDP takes tensors as positional inputs; inputs {bad} are not tensors")
         named = dict(self.module.named_parameters())
         return _Run.apply(self, len(inputs), *inputs, *(named[n] for n in self._low.param_names))
+
+    def train_step(self, inputs: torch.Tensor | tuple[torch.Tensor, ...], targets: torch.Tensor) -> torch.Tensor:
+        """The full mode's step: forward, ``loss_fn``, gradient and the optimizer's optax update, one jitted program
+        sharded by the plan (``"fsdp"``: ZeRO-3 over the data axis; ``"dp"``, ``"zero1"``, ``"zero2"``, ``"auto"``).
+        Returns the loss; the module's weights are written back by `state_dict` / `sync_module`."""
+        full = self._full
+        if full is None:
+            raise BridgeError(
+                "train_step is the full mode: OptimizedDDP(module, optimizer=torch_optimizer, loss_fn=loss); in the "
+                "drop-in mode call model(x), loss.backward() and optimizer.step() as with DDP"
+            )
+        x = tuple(self._split(t) for t in (inputs if isinstance(inputs, tuple) else (inputs,)))
+        y = self._split(targets)
+        if full["step"] is None:
+            self._build_full(full)
+        full["state"], metrics = full["step"](full["state"], (x, y))
+        full["dirty"] = True
+        return torch.tensor(float(metrics["loss"]))
+
+    @property
+    def full_state(self) -> Any:
+        """The full mode's train state (parameters sharded by the plan, optax state), or None before a step."""
+        return None if self._full is None else self._full["state"]
+
+    def _build_full(self, full: dict[str, Any]) -> None:
+        low, loss = self._low, full["loss"]
+        params, buffers = low.params(), low.buffers()  # buffers are the module's, unchanged by the full mode
+
+        def apply_fn(p: Any, *inputs: Any, model_state: Any = None, **_: Any) -> Any:
+            return low.apply(p, buffers, *inputs)[0]
+
+        def step(state: Any, batch: Any) -> Any:
+            x, y = batch
+            value, grads = jax.value_and_grad(lambda p: loss(state.apply_fn(p, *x), y))(state.params)
+            return state.apply_gradients(grads=grads), {"loss": value}
+
+        full["state"], full["plan"] = create_train_state(
+            lambda _: params, full["tx"], self.mesh, plan=full["plan"], apply_fn=apply_fn
+        )
+        full["step"] = spmd(step, mesh=self.mesh, plan=full["plan"])
+
+    def sync_module(self) -> None:
+        """Write the full mode's trained parameters into the torch module."""
+        full = self._full
+        if full is None or full["state"] is None or not full.get("dirty"):
+            return
+        named = dict(self.module.named_parameters())
+        with torch.no_grad():
+            for n, v in full["state"].params.items():
+                value = multihost_utils.process_allgather(v, tiled=True) if jax.process_count() > 1 else v
+                named[n].copy_(torch.from_numpy(np.array(value)))
+        full["dirty"] = False
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's state dict (as DDP's, keys under ``module.``), the full mode's weights written back first."""
+        self.sync_module()
+        return super().state_dict(*args, **kwargs)
 
     def _next_key(self) -> jax.Array:
         self._key, key = jax.random.split(self._key)
