@@ -3,8 +3,9 @@ never allocates their parameters): ``gpt3-175b``, ``bert-large``, ``llama2-7b``,
 ``llama3-70b``, ``llama3-405b``, ``sdxl-unet`` (Stable Diffusion XL's 2.57B UNet), or a Llama-family shape from
 its dimensions.
 
-Each language model is built with its blocks scanned (one layer's parameters gathered at a time under ZeRO-3) and
-attention over blocks of queries (activations linear in the sequence, as flash attention's), as large runs train them.
+Each language model is built with its blocks scanned (one layer's parameters gathered at a time under ZeRO-3), and
+every model with attention over blocks of queries (activations linear in the sequence, as flash attention's), as large
+runs train them.
 
 Example:
     >>> m = model_preset("llama3-8b", seq_len=4096)
@@ -52,7 +53,7 @@ class ModelPreset:
 
     name: str
     config: Any
-    """Its `GPTConfig` or `LlamaConfig`."""
+    """Its `GPTConfig`, `LlamaConfig` or `UNetConfig`."""
     family: type
 
     def init(self, rngs: Any) -> nnx.Module:
@@ -60,9 +61,9 @@ class ModelPreset:
         return self.family(self.config, rngs=nnx.Rngs(rngs))
 
     @property
-    def flops_per_token(self) -> int | None:
-        """Training FLOPs per token by the family's formula (what MFU counts); None where the family has none (the
-        planner then counts the traced matmuls and convolutions)."""
+    def flops_per_token(self) -> float | None:
+        """Training FLOPs per token by the family's formula (what MFU counts; a UNet's token is a latent pixel); None
+        where the family has none (the planner then counts the traced matmuls and convolutions)."""
         return self.config.flops_per_token() if hasattr(self.config, "flops_per_token") else None
 
     @property
@@ -83,10 +84,10 @@ def model_preset(name: str, **overrides: Any) -> ModelPreset:
         raise StateError(f"unknown model preset {name!r}; expected one of {PRESETS}, or give the dimensions")
     family, make = _PRESETS[name]
     fields = {f.name for f in dataclasses.fields(make())}
-    defaults = {}
+    defaults: dict[str, Any] = {"scan_layers": True, "attention_block": ATTENTION_BLOCK}
     if "seq_len" in fields:
-        seq = overrides.get("seq_len") or make().seq_len
-        defaults = {"scan_layers": True, "attention_block": math.gcd(ATTENTION_BLOCK, seq)}
+        defaults["attention_block"] = math.gcd(ATTENTION_BLOCK, overrides.get("seq_len") or make().seq_len)
+    defaults = {k: v for k, v in defaults.items() if k in fields}  # a UNet has no scanned layers
     unknown = sorted(set(overrides) - fields)
     if unknown:
         raise StateError(f"preset {name!r} has no fields {unknown}; its fields are {sorted(fields)}")

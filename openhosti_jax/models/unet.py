@@ -9,23 +9,27 @@ Example:
     >>> import jax
     >>> from flax import nnx
     >>> cfg = UNetConfig.tiny()
-    >>> model = UNet(cfg, rngs=nnx.Rngs(0))
-    >>> out = model({k: jax.numpy.zeros(s.shape, s.dtype) for k, s in cfg.sample_batch(2).items()})
-    >>> out.shape, sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))) == cfg.num_params()
-    ((2, 8, 8, 4), True)
+    >>> model = nnx.eval_shape(lambda: UNet(cfg, rngs=nnx.Rngs(0)))  # shapes only: nothing allocated
+    >>> nnx.eval_shape(lambda m, b: m(b), model, cfg.sample_batch(2)).shape  # predicted noise, as the latents
+    (2, 8, 8, 4)
+    >>> sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))) == cfg.num_params()
+    True
+    >>> f"{UNetConfig.sdxl().num_params():,}", f"{UNetConfig.sdxl().flops_per_example() / 1e12:.1f} TFLOPs"
+    ('2,567,463,684', '20.3 TFLOPs')
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from openhosti_jax.errors import StateError
+from openhosti_jax.models.attention import query_blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +58,9 @@ class UNetConfig:
     """Group-norm groups."""
     dtype: str = "float32"
     """Compute dtype (parameters stay float32)."""
+    attention_block: int | None = None
+    """Queries per attention block (at most: the largest divisor of the positions that it divides is used): scores
+    made a block at a time and recomputed in the backward, as flash attention's; None: the whole square at once."""
 
     def __post_init__(self) -> None:
         if len(self.channels) != len(self.transformer_depth) or any(c % self.groups for c in self.channels):
@@ -136,6 +143,57 @@ class UNetConfig:
                 total += conv(c, c)
         return total + 2 * width + conv(width, self.channels_in)
 
+    def flops_per_example(self) -> float:
+        """Training FLOPs per example: 3 x the forward's matmuls and convolutions (backward = 2 x forward), from the
+        layout alone.
+
+        A matmul or convolution costs 2 x output elements x contracted size: a 3 x 3 convolution from ``i`` to
+        ``o`` channels over ``n`` positions ``18 n i o``; a transformer block over ``n`` positions of width ``c``
+        with ``m`` context tokens of width ``e`` ``2 n c^2 (4 + 2 + 12)`` (self-attention, cross-attention's query
+        and output, the GEGLU feed-forward) ``+ 4 m e c`` (cross keys and values) ``+ 4 n c (n + m)`` (scores and
+        weighted values over the full square). Norms, softmax, SiLU and GELU are not counted.
+        """
+        t, ch, e, m = self.time_dim, self.channels, self.context_dim, self.context_len
+
+        def conv(n: int, i: int, o: int, k: int = 3) -> int:
+            return 2 * n * k * k * i * o
+
+        def res(n: int, i: int, o: int) -> int:
+            return conv(n, i, o) + 2 * t * o + conv(n, o, o) + (conv(n, i, o, 1) if i != o else 0)
+
+        def transformer(n: int, c: int, depth: int) -> int:
+            block = 2 * n * c * c * 18 + 4 * m * e * c + 4 * n * c * (n + m)
+            return (4 * n * c * c + depth * block) if depth else 0
+
+        n = self.latent_size**2
+        total = 2 * (ch[0] * t + t * t) + (2 * (self.adm_dim * t + t * t) if self.adm_dim else 0)
+        total += conv(n, self.channels_in, ch[0]) + conv(n, ch[0], self.channels_in)
+        skips, width = [ch[0]], ch[0]
+        for level, (c, depth) in enumerate(zip(ch, self.transformer_depth, strict=True)):
+            for _ in range(self.res_blocks):
+                total += res(n, width, c) + transformer(n, c, depth)
+                width = c
+                skips.append(c)
+            if level < len(ch) - 1:
+                n //= 4
+                total += conv(n, c, c)
+                skips.append(c)
+        total += 2 * res(n, width, width) + transformer(n, width, self.transformer_depth[-1])
+        for level in reversed(range(len(ch))):
+            c, depth = ch[level], self.transformer_depth[level]
+            for _ in range(self.res_blocks + 1):
+                total += res(n, width + skips.pop(), c) + transformer(n, c, depth)
+                width = c
+            if level > 0:
+                n *= 4
+                total += conv(n, c, c)
+        return 3.0 * total
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per latent position (a UNet's "token" is a pixel of the latent: `flops_per_example` over
+        ``latent_size ** 2``), as the planner's tokens per example count them."""
+        return self.flops_per_example() / self.latent_size**2
+
 
 class _ResBlock(nnx.Module):
     def __init__(self, cfg: UNetConfig, cin: int, cout: int, rngs: nnx.Rngs):
@@ -156,7 +214,7 @@ class _ResBlock(nnx.Module):
 class _Attention(nnx.Module):
     def __init__(self, cfg: UNetConfig, c: int, source: int, rngs: nnx.Rngs):
         dt = jnp.dtype(cfg.dtype)
-        self.heads = c // cfg.head_dim
+        self.heads, self.block = c // cfg.head_dim, cfg.attention_block
         self.q = nnx.Linear(c, c, use_bias=False, rngs=rngs, dtype=dt)
         self.k = nnx.Linear(source, c, use_bias=False, rngs=rngs, dtype=dt)
         self.v = nnx.Linear(source, c, use_bias=False, rngs=rngs, dtype=dt)
@@ -165,8 +223,13 @@ class _Attention(nnx.Module):
     def __call__(self, x: jax.Array, source: jax.Array) -> jax.Array:
         b, n, c = x.shape
         q, k, v = (t.reshape(b, -1, self.heads, c // self.heads) for t in (self.q(x), self.k(source), self.v(source)))
-        att = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(c // self.heads), axis=-1)
-        return self.out(jnp.einsum("bhqk,bkhd->bqhd", att, v).reshape(b, n, c))
+
+        def attend(qb: jax.Array, first: jax.Array) -> jax.Array:
+            att = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", qb, k) / math.sqrt(c // self.heads), axis=-1)
+            return jnp.einsum("bhqk,bkhd->bqhd", att, v)
+
+        block = math.gcd(self.block, n) if self.block else None
+        return self.out(query_blocks(attend, q, block).reshape(b, n, c))
 
 
 class _TransformerBlock(nnx.Module):
@@ -221,6 +284,20 @@ def timestep_embedding(t: jax.Array, dim: int, max_period: float = 10000.0) -> j
     return jnp.concatenate([jnp.cos(angles), jnp.sin(angles)], axis=-1)
 
 
+class _Keys:
+    """The ``rngs.params()`` the nnx layers call, each a fold of one key with a Python counter. `nnx.Rngs` keeps its
+    counter in a variable, and under a trace (`nnx.eval_shape`) each update of it costs time linear in the trace so
+    far (flax 0.12 asks the traced counter for its ``sharding``, and JAX's error message walks the whole trace):
+    SDXL's 1,680 parameters took 65 s to build abstractly with `nnx.Rngs`, 3 s with these."""
+
+    def __init__(self, key: jax.Array):
+        self.key, self.count = key, 0
+
+    def params(self) -> jax.Array:
+        self.count += 1
+        return jax.random.fold_in(self.key, self.count)
+
+
 class UNet(nnx.Module):
     """``model(batch)`` with ``batch`` as `UNetConfig.sample_batch` lays it out -> the predicted noise, shaped as
     ``batch["latents"]``."""
@@ -228,6 +305,7 @@ class UNet(nnx.Module):
     def __init__(self, cfg: UNetConfig, *, rngs: nnx.Rngs):
         dt, ch, t = jnp.dtype(cfg.dtype), cfg.channels, cfg.time_dim
         self.cfg = cfg
+        rngs = cast(nnx.Rngs, _Keys(rngs.params()))
         self.time_in, self.time_out = nnx.Linear(ch[0], t, rngs=rngs, dtype=dt), nnx.Linear(t, t, rngs=rngs, dtype=dt)
         self.adm_in = nnx.Linear(cfg.adm_dim, t, rngs=rngs, dtype=dt) if cfg.adm_dim else None
         self.adm_out = nnx.Linear(t, t, rngs=rngs, dtype=dt) if cfg.adm_dim else None
