@@ -27,7 +27,7 @@ import numpy as np
 from openhosti_jax.checkpoint import CheckpointManager
 from openhosti_jax.errors import BridgeError
 from openhosti_jax.mesh import MeshConfig, build_mesh
-from openhosti_jax.sharding.specs import DEFAULT_MIN_ELEMENTS, auto_spec
+from openhosti_jax.sharding.specs import auto_spec
 
 
 def _keras() -> Any:
@@ -68,12 +68,7 @@ class Strategy:
         """The mesh axis each dim of a variable of ``shape`` is split over (None: not split)."""
         if self.plan == "dp":
             return (None,) * len(shape)
-        spec = auto_spec(
-            shape,
-            {self.data_axis: self.mesh.shape[self.data_axis]},
-            (self.data_axis,),
-            min_elements=DEFAULT_MIN_ELEMENTS,
-        )
+        spec = auto_spec(shape, {self.data_axis: self.mesh.shape[self.data_axis]}, (self.data_axis,))
         axes = [None if e is None else (e if isinstance(e, str) else e[0]) for e in spec]
         return tuple(axes + [None] * (len(shape) - len(axes)))
 

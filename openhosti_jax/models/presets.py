@@ -83,10 +83,11 @@ def model_preset(name: str, **overrides: Any) -> ModelPreset:
     if name not in _PRESETS:
         raise StateError(f"unknown model preset {name!r}; expected one of {PRESETS}, or give the dimensions")
     family, make = _PRESETS[name]
-    fields = {f.name for f in dataclasses.fields(make())}
+    base = make()
+    fields = {f.name for f in dataclasses.fields(base)}
     defaults: dict[str, Any] = {"scan_layers": True, "attention_block": ATTENTION_BLOCK}
     if "seq_len" in fields:
-        defaults["attention_block"] = math.gcd(ATTENTION_BLOCK, overrides.get("seq_len") or make().seq_len)
+        defaults["attention_block"] = math.gcd(ATTENTION_BLOCK, overrides.get("seq_len") or base.seq_len)
     defaults = {k: v for k, v in defaults.items() if k in fields}  # a UNet has no scanned layers
     unknown = sorted(set(overrides) - fields)
     if unknown:

@@ -110,9 +110,9 @@ def cluster(spec: str | Cluster, profiles: Mapping[str, DeviceProfile] = PROFILE
         return Cluster(profiles[_TPU_NAMES[tpu[2]]], int(tpu[1] or 1), chips)
     if gpu and gpu[3].lower().replace(" ", "") in names:
         profile = profiles[names[gpu[3].lower().replace(" ", "")]]
-        chips = int(gpu[2]) * (int(gpu[1]) if gpu[1] else 1)
         if gpu[1]:
             return Cluster(profile, int(gpu[1]), int(gpu[2]))
+        chips = int(gpu[2])
     else:
         raise PlanningError(
             f"unknown cluster {spec!r}: expected 'NxKIND' (e.g. '64xH100'), 'HOSTSxPER_HOSTxKIND' (e.g. '8x8xH100') "

@@ -113,7 +113,14 @@ class OptimizedDDP(torch.nn.Module):
         if optimizer is not None:
             named = dict(module.named_parameters())
             tx = optax_from_torch(optimizer, {n: named[n] for n in self._low.param_names})
-            self._full = {"tx": tx, "loss": lower_function(loss_fn), "plan": plan, "state": None, "step": None}
+            self._full = {
+                "tx": tx,
+                "loss": lower_function(loss_fn),
+                "plan": plan,
+                "state": None,
+                "step": None,
+                "dirty": False,  # trained weights not yet written back into the module
+            }
         if jax.process_count() > 1:  # as DDP does: every process starts from process 0's parameters and buffers
             with torch.no_grad():
                 state = {k: v.detach().cpu().numpy() for k, v in module.state_dict().items()}
@@ -170,7 +177,7 @@ class OptimizedDDP(torch.nn.Module):
     def sync_module(self) -> None:
         """Write the full mode's trained parameters into the torch module."""
         full = self._full
-        if full is None or full["state"] is None or not full.get("dirty"):
+        if full is None or not full["dirty"]:
             return
         named = dict(self.module.named_parameters())
         with torch.no_grad():
@@ -214,20 +221,20 @@ class OptimizedDDP(torch.nn.Module):
 
     def _program(self, kind: str) -> Any:
         """The jitted forward or backward for the module's current mode (train / eval trace differently)."""
-        key = (kind, self.module.training)
-        if key not in self._programs:
+        slot = (kind, self.module.training)
+        if slot not in self._programs:
             apply = self._low.apply
             if kind == "forward":
 
                 def forward(p: Any, b: Any, key: Any, *x: Any) -> Any:  # one function per mode: jax caches by it
                     return apply(p, b, *x, key=key)
 
-                self._programs[key] = jax.jit(forward)
+                self._programs[slot] = jax.jit(forward)
             else:
 
                 def vjp(p: Any, b: Any, key: Any, x: Any, g: Any) -> Any:
                     _, pull = jax.vjp(lambda q: apply(q, b, *x, key=key)[0], p)
                     return pull(g)[0]
 
-                self._programs[key] = jax.jit(vjp)
-        return self._programs[key]
+                self._programs[slot] = jax.jit(vjp)
+        return self._programs[slot]
