@@ -1,6 +1,7 @@
 """balanced_step: the GPT loss and parameters equal the plain step's while a throttled device gets less work."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -52,3 +53,21 @@ def test_balance_needs_a_plan_and_divisible_batches():
     step = balanced_step(loss_fn, mesh=mesh, plan=plan, microbatches=5)
     with pytest.raises(BatchError, match="not divisible by microbatches=5"):
         step(state, next(data))
+
+
+def test_a_non_finite_balanced_step_leaves_the_state_as_it_was():
+    mesh = build_mesh(MeshConfig(data=4), devices=jax.devices()[:4])
+    state, plan, _, data = build_job(JOB, mesh)
+    loss_fn = gpt_loss_fn(state.apply_fn, state.model_state)
+
+    def nan_loss(p, mb, rng):
+        total, n = loss_fn(p, mb, rng)
+        return total * jnp.nan, n
+
+    before = jax.device_get(state)
+    after, m = balanced_step(nan_loss, mesh=mesh, plan=plan, microbatches=8)(state, next(data))
+    assert int(m["skipped_nonfinite"]) == 1
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(jax.device_get(after)), strict=True):
+        if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+            a, b = jax.random.key_data(a), jax.random.key_data(b)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -40,9 +40,16 @@ after = [r["loss"] for r in resumed.history]
 params, opt = to_model_state(result.state)
 off, _, _ = plain_losses(params, opt, 2)
 back = from_model_state(params, opt, result.state, mesh, step=4)
-_, m = step(back, (tok, tok))
+before = jax.device_get((back.step, back.params, back.opt_state))
+_, m = step(from_model_state(params, opt, result.state, mesh, step=4), (tok, tok))
+# a non-finite loss leaves the pipelined state as it was
+nan_step = oh.pipeline_step(lambda out, tgt: mean_loss(out, tgt) * jnp.where(tgt[0, 0] < 0, jnp.nan, 1.0), mesh, back)
+kept, nan_m = nan_step(back, (tok, tok.at[0, 0].set(-1)))
+unchanged = all(bool((a == b).all()) for a, b in zip(jax.tree.leaves(before),
+                jax.tree.leaves(jax.device_get((kept.step, kept.params, kept.opt_state)))))
 print(json.dumps({"losses": losses, "plain": plain, "resumed": after, "off_pipeline": off,
-                  "back_on": float(m["loss"]), "resumed_from": resumed.history[0]["step"]}))
+                  "back_on": float(m["loss"]), "resumed_from": resumed.history[0]["step"],
+                  "nan_skipped": int(nan_m["skipped_nonfinite"]), "nan_unchanged": unchanged}))
 """
 )
 
@@ -58,6 +65,7 @@ def test_a_pipelined_plan_trains_checkpoints_and_leaves_the_pipeline(tmp_path, m
     for ours, ref in zip(out["off_pipeline"], plain[4:], strict=True):
         assert abs(ours - ref) <= 1e-6 * abs(ref)
     assert abs(out["back_on"] - plain[4]) <= 1e-6 * abs(plain[4])
+    assert out["nan_skipped"] == 1 and out["nan_unchanged"]
 
 
 def test_a_pipelined_plan_is_refused_where_it_cannot_run():

@@ -44,6 +44,7 @@ from openhosti_jax.pipeline.costs import Layer
 from openhosti_jax.pipeline.executor import Batch, OutputLoss, Packing, pipelined_loss_and_grads
 from openhosti_jax.pipeline.partition import StagePartition
 from openhosti_jax.pipeline.schedule import Schedule
+from openhosti_jax.state.guard import skip_nonfinite
 
 
 class PipelineState(struct.PyTreeNode):
@@ -131,10 +132,12 @@ def make_pipeline_train_step(
     state: PipelineState,
     *,
     donate: bool = True,
+    guard: bool = True,
 ) -> Callable[[PipelineState, Batch], tuple[PipelineState, dict[str, jax.Array]]]:
     """A jitted ``step(state, (inputs, targets)) -> (state, {"loss", "grad_norm"})``: the schedule's loss and
     packed gradient, then ``state.tx`` on the packed parameters, everything kept stage-local (``state`` gives the
-    layout and shardings)."""
+    layout and shardings). With ``guard`` a step whose loss or gradient is not finite leaves the state as it was
+    (`openhosti_jax.state.guard`; the metrics add ``skipped_nonfinite``)."""
     run = pipelined_loss_and_grads(layers, loss_fn, mesh, partition, schedule, state.packing, state.layer_shapes)
     shardings = state_shardings(state, mesh)
     grad_sharding = NamedSharding(mesh, P(None, "stage", None))
@@ -145,7 +148,8 @@ def make_pipeline_train_step(
         updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         new = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
-        return new, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+        return skip_nonfinite(state, new, metrics, params=lambda s: s.params) if guard else (new, metrics)
 
     return jax.jit(
         step,

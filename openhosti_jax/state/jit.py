@@ -29,8 +29,9 @@ from openhosti_jax.policies.precision import precision
 from openhosti_jax.sharding.plan import ShardingPlan
 from openhosti_jax.state.context import active_gradient_shardings, active_microbatches, active_policies
 from openhosti_jax.state.contracts import StepFn
+from openhosti_jax.state.guard import skip_nonfinite as guard
 from openhosti_jax.state.init import state_specs
-from openhosti_jax.state.layout import StateLayout
+from openhosti_jax.state.layout import StateLayout, find_layout
 
 
 def jit_step(
@@ -43,11 +44,16 @@ def jit_step(
     donate: bool = True,
     num_microbatches: int | None = None,
     layout: StateLayout | None = None,
+    skip_nonfinite: bool = True,
 ) -> tuple[Any, Any]:
     """(``fn`` jitted with the plan's in/out shardings for arguments shaped like ``state`` and ``batch``, the
     state's shardings). Metrics come back replicated. ``num_microbatches`` defaults to the plan's; ``layout``
-    (default: found) says where the state keeps its parameters and optimizer state."""
+    (default: found) says where the state keeps its parameters and optimizer state. ``skip_nonfinite`` keeps the
+    old state when the step's loss, gradient norm or new parameters are not finite
+    (`openhosti_jax.state.guard`), except under a loss-scaling precision, whose optimizer skips those steps itself."""
     k = num_microbatches or plan.num_microbatches
+    layout = layout if layout is not None else find_layout(state)
+    guarded = skip_nonfinite and not precision(plan.precision).loss_scaling
     state_sh = plan.shardings(mesh, state_specs(plan, state, layout))
     grad_sh = plan.shardings(mesh, plan.grad_specs)
     batch_sh = plan.batch_shardings(mesh, batch)
@@ -81,7 +87,7 @@ def jit_step(
                 "openhosti_jax.state.context.current_microbatches() in it, or drop microbatch="
             )
         check_step_output(s, out)
-        return out
+        return guard(s, *out, params=layout.params) if guarded else out
 
     jitted = jax.jit(
         traced,
@@ -90,6 +96,24 @@ def jit_step(
         donate_argnums=(0,) if donate else (),
     )
     return jitted, state_sh
+
+
+def jit_eval(
+    fn: Any, plan: ShardingPlan, mesh: Mesh, state: Any, batch: Any, *, layout: StateLayout | None = None
+) -> Any:
+    """``fn(state, batch) -> metrics`` jitted under the plan like `jit_step` (same state and batch shardings, the
+    plan's precision and remat active), without donation: the state stays usable. Metrics come back replicated."""
+    state_sh = plan.shardings(mesh, state_specs(plan, state, layout))
+
+    def traced(s: Any, b: Any) -> Any:
+        with active_policies(plan.remat, plan.precision):
+            return fn(s, b)
+
+    return jax.jit(
+        traced,
+        in_shardings=(state_sh, plan.batch_shardings(mesh, batch)),
+        out_shardings=NamedSharding(mesh, P()),
+    )
 
 
 def check_step_output(state: Any, out: Any) -> None:

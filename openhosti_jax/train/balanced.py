@@ -22,12 +22,14 @@ from typing import Any
 
 import jax
 import numpy as np
+import optax
 from jax.sharding import Mesh
 
 from openhosti_jax.balance import Balancer
 from openhosti_jax.errors import BatchError, ShardingError, StateError
 from openhosti_jax.sharding.plan import ShardingPlan
 from openhosti_jax.state.contracts import LossFn
+from openhosti_jax.state.guard import skip_nonfinite
 from openhosti_jax.state.train_state import TrainState
 
 
@@ -53,9 +55,13 @@ class BalancedStep:
         self.balancer = Balancer(loss_fn, mesh, total=microbatches, axis=axis, **balancer_kw)
         sh = plan.shardings(mesh, plan.param_specs)
         self._next_rng = jax.jit(lambda s: s.next_rng())
-        self._apply = jax.jit(
-            lambda s, g: s.apply_gradients(grads=jax.lax.with_sharding_constraint(g, sh)), donate_argnums=0
-        )
+
+        def apply(s: TrainState, grads: Any, loss: jax.Array, old_rng: jax.Array) -> tuple[TrainState, Any]:
+            new = s.apply_gradients(grads=jax.lax.with_sharding_constraint(grads, sh))
+            checked = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+            return skip_nonfinite(s.replace(rng=old_rng), new, checked, params=lambda t: t.params)
+
+        self._apply = jax.jit(apply, donate_argnums=0)
 
     def progress_note(self) -> str | None:
         """The current assignment when it is uneven (shown on the Trainer's progress line)."""
@@ -71,11 +77,13 @@ class BalancedStep:
                 )
             return x.reshape(self.microbatches, x.shape[0] // self.microbatches, *x.shape[1:])
 
+        old_rng = state.rng
         state, rng = self._next_rng(state)
         with jax.set_mesh(self.mesh):
             loss, grads, n_real = self.balancer(state.params, jax.tree.map(split, batch), rng)
-            state = self._apply(state, grads)
-        return state, {"loss": loss, "num_real": n_real, "counts": list(self.balancer.counts)}
+            state, checked = self._apply(state, grads, loss, old_rng)
+        metrics = {"loss": loss, "num_real": n_real, "counts": list(self.balancer.counts)}
+        return state, {**metrics, "grad_norm": checked["grad_norm"], "skipped_nonfinite": checked["skipped_nonfinite"]}
 
 
 def balanced_step(

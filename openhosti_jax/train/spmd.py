@@ -44,7 +44,7 @@ from openhosti_jax.sharding.plan import ShardingPlan
 from openhosti_jax.sharding.report import PlanReport
 from openhosti_jax.sharding.zero import Optimizer
 from openhosti_jax.state.contracts import StepFn
-from openhosti_jax.state.jit import jit_step
+from openhosti_jax.state.jit import jit_eval, jit_step
 from openhosti_jax.state.layout import StateLayout, find_layout
 from openhosti_jax.state.model import abstract
 from openhosti_jax.state.train_state import TrainState
@@ -76,8 +76,10 @@ class SpmdStep:
         plan_kw: dict,
         params: str | None = None,
         opt_state: str | None = None,
+        skip_nonfinite: bool = True,
     ):
         functools.update_wrapper(self, fn)
+        self.skip_nonfinite = skip_nonfinite
         self._paths = {"params": params, "opt_state": opt_state}
         self.layout: StateLayout | None = None
         """Where the state keeps its parameters and optimizer state (after the first call)."""
@@ -171,7 +173,15 @@ class SpmdStep:
         key = (jax.tree.structure(state), jax.tree.structure(batch), k)
         if key not in self._jitted:
             self._jitted[key] = jit_step(
-                self.fn, plan, self.mesh, state, batch, donate=self.donate, num_microbatches=k, layout=self.layout
+                self.fn,
+                plan,
+                self.mesh,
+                state,
+                batch,
+                donate=self.donate,
+                num_microbatches=k,
+                layout=self.layout,
+                skip_nonfinite=self.skip_nonfinite,
             )
         return self._jitted[key]
 
@@ -188,6 +198,21 @@ class SpmdStep:
         fn, _ = self._compiled_fn(state, batch, num_microbatches)
         with jax.set_mesh(self.mesh):
             return fn.lower(state, batch)
+
+    def evaluator(self, fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+        """``fn(state, batch) -> metrics`` (an eval step) jitted under this step's plan and mesh, without donation;
+        the state must have been through this step (or be placed like it)."""
+        cache: dict[Any, Callable] = {}
+
+        def run(state: Any, batch: Any) -> Any:
+            plan = self._resolve(state, batch)
+            key = (jax.tree.structure(state), jax.tree.structure(batch))
+            if key not in cache:
+                cache[key] = jit_eval(fn, plan, self.mesh, state, batch, layout=self.layout)
+            with jax.set_mesh(self.mesh):
+                return cache[key](state, place_batch(batch, self.mesh, plan.batch_spec))
+
+        return run
 
     def _per_device_batch(self, batch: Any) -> int:
         rows = [np.shape(x)[0] for x in jax.tree.leaves(batch) if np.ndim(x)]
@@ -250,6 +275,7 @@ def spmd(
     balance: bool = False,
     params: str | None = None,
     opt_state: str | None = None,
+    skip_nonfinite: bool = True,
     **plan_kw: Any,
 ) -> SpmdStep | Callable[[StepFn], SpmdStep]:
     """Decorate ``train_step(state, batch) -> (state, metrics)`` to run sharded over ``mesh`` by ``plan``.
@@ -262,6 +288,8 @@ def spmd(
     whose compiled peak fits ``memory_budget`` (default: the device's limit), found by AOT compiles. Steps built with
     `openhosti_jax.microbatch.make_train_step` accumulate over it; an out-of-memory step halves the microbatch and
     re-runs the same batch. Load balancing takes a loss rather than a step: `openhosti_jax.balanced_step`.
+    ``skip_nonfinite`` (default on) leaves the state unchanged after a step whose loss, ``grad_norm`` or new
+    parameters are not finite and reports ``skipped_nonfinite`` in the metrics (`openhosti_jax.state.guard`).
     """
     if balance:
         raise StateError(
@@ -271,6 +299,6 @@ def spmd(
         )
 
     def build(f: StepFn) -> SpmdStep:
-        return SpmdStep(f, mesh, plan, donate, microbatch, memory_budget, plan_kw, params, opt_state)
+        return SpmdStep(f, mesh, plan, donate, microbatch, memory_budget, plan_kw, params, opt_state, skip_nonfinite)
 
     return build if fn is None else build(fn)
