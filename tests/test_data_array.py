@@ -157,7 +157,7 @@ def test_grain_adapter_turns_bytes_state_into_a_dict_and_back():
     for _ in range(3):
         next(it)
     state = it.get_state()
-    assert state == {"grain": {"epoch": 0, "position": 3, "seed": 9}}
+    assert state == {"grain": {"epoch": 0, "position": 3, "seed": 9, "global_batch_size": 4}}
     again = GrainIterator(_BytesStateIterator())
     again.set_state(json.loads(json.dumps(state)))
     np.testing.assert_array_equal(next(again)["x"], next(it)["x"])

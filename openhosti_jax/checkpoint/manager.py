@@ -210,6 +210,14 @@ class CheckpointManager:
         """Background checksumming uses at most 1/(1+_IDLE_PER_BUSY) of a core, unless `wait` is hurrying it."""
         self._hurry.wait(timeout=_IDLE_PER_BUSY * busy_s)
 
+    def due(self, step: int) -> bool:
+        """Whether `maybe_save` would save ``step`` now: the policy's schedule or a signal says so (a step already
+        saved or being saved is not due)."""
+        step = int(step)
+        if self._signal is None and not self.policy.due(step, time.monotonic() - self._last_save):
+            return False
+        return step not in self._started and step not in _good_steps(self.directory)
+
     def wait(self) -> None:
         """Block until every started save is committed, checksummed and replicated."""
         self._hurry.set()
@@ -314,6 +322,10 @@ class CheckpointManager:
         state = unflatten_state(abstract_state, out["state"], info["key_impls"])
         self.restored_step = step
         return state, out["data"]["data_state"], meta["user"]
+
+    def user_meta(self, step: int) -> dict[str, Any]:
+        """The caller's ``meta`` saved with ``step`` (e.g. the plan), read without the arrays."""
+        return self._mgr.restore(int(step), args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]["user"]
 
     def checkpoint_info(self, step: int) -> dict[str, Any]:
         """What the library recorded with ``step``: leaf names, mesh shape, device/process count, time."""

@@ -3,7 +3,8 @@
 Every process computes the same permutation (from ``seed`` and the epoch number) and reads only its own
 contiguous slice of each global batch: process ``p`` of ``P`` gets rows ``[p*B/P, (p+1)*B/P)`` of the global
 batch. The position is counted in global batches, so a state saved with one process count resumes with another
-(same global batch size). The last incomplete batch of an epoch is dropped, so every batch has one shape.
+(same global batch size), or with another global batch size when the saved sample starts a batch of the new size
+(else it refuses). The last incomplete batch of an epoch is dropped, so every batch has one shape.
 
 Example:
     >>> import numpy as np
@@ -11,7 +12,7 @@ Example:
     >>> ds = ArrayDataset({"x": np.arange(10), "y": np.arange(10) * 2}, global_batch_size=4, seed=1)
     >>> first = next(ds)
     >>> first["x"].shape, ds.get_state()
-    ((4,), {'epoch': 0, 'position': 1, 'seed': 1})
+    ((4,), {'epoch': 0, 'position': 1, 'seed': 1, 'global_batch_size': 4})
     >>> again = ArrayDataset({"x": np.arange(10), "y": np.arange(10) * 2}, global_batch_size=4)
     >>> again.set_state(ds.get_state())
     >>> bool(np.array_equal(next(again)["x"], next(ds)["x"]))
@@ -122,10 +123,34 @@ class ArrayDataset:
         return {k: v[rows] for k, v in self._arrays.items()}
 
     def get_state(self) -> dict[str, Any]:
-        """``{"epoch", "position", "seed"}``: the next batch is global batch ``position`` of ``epoch``."""
-        return {"epoch": self._epoch, "position": self._position, "seed": self._seed}
+        """``{"epoch", "position", "seed", "global_batch_size"}``: the next batch is global batch ``position`` of
+        ``epoch``, in batches of ``global_batch_size``."""
+        return {
+            "epoch": self._epoch,
+            "position": self._position,
+            "seed": self._seed,
+            "global_batch_size": self.global_batch_size,
+        }
 
     def set_state(self, state: dict[str, Any]) -> None:
-        """Continue from a `get_state` dict; its seed replaces this dataset's seed."""
+        """Continue from a `get_state` dict; its seed replaces this dataset's seed.
+
+        A state saved with another global batch size resumes at the same sample when that sample starts a batch
+        of this size (``position * saved_size`` divisible by ``global_batch_size``), else `BatchError`. The
+        samples of the epoch that follow are the same either way; only their grouping into batches changes.
+        """
+        saved_size = int(state.get("global_batch_size", self.global_batch_size)) if isinstance(state, dict) else 0
+        if saved_size != self.global_batch_size and isinstance(state, dict):
+            if saved_size >= 1 and int(state.get("position", 0)) >= self._n // saved_size:  # the epoch was done
+                state = {**state, "epoch": int(state.get("epoch", 0)) + 1, "position": 0}
+            sample = int(state.get("position", 0)) * saved_size
+            if saved_size < 1 or sample % self.global_batch_size:
+                raise BatchError(
+                    f"ArrayDataset.set_state: the state was saved with global_batch_size {saved_size} at sample "
+                    f"{sample} of epoch {state.get('epoch')}, which is not the start of a batch of "
+                    f"{self.global_batch_size}; resume with a global batch size dividing {sample} (e.g. "
+                    f"{saved_size}), or from a checkpoint at another step"
+                )
+            state = {**state, "position": sample // self.global_batch_size, "global_batch_size": self.global_batch_size}
         epoch, position, seed = position_state(state, "ArrayDataset.set_state", self.steps_per_epoch)
         self._seed, self._epoch, self._position, self._order = seed, epoch, position, None

@@ -33,7 +33,9 @@ def _data_state(data_iter: Any) -> dict[str, Any] | None:
 class TrainerCheckpoint:
     """Checkpointing for `Trainer.fit` over an `openhosti_jax.checkpoint.CheckpointManager`.
 
-    ``save_times`` records ``(step, seconds the training thread was blocked)`` for every save.
+    ``meta`` (JSON-able, e.g. the plan's decision) is saved with every step; the `Trainer` adds the number of
+    batches the data stream has given (``batches``), so a rollback knows where the data was. ``save_times``
+    records ``(step, seconds the training thread was blocked)`` for every save.
     """
 
     def __init__(
@@ -56,36 +58,71 @@ class TrainerCheckpoint:
         self.meta = dict(meta or {})
         self.save_times: list[tuple[int, float]] = []
         self.resumed_from: int | None = None
+        """The step the run resumed (or last rolled back) to; None for a fresh start."""
+        self.resumed_meta: dict[str, Any] = {}
+        """The metadata saved with that step."""
         if threading.current_thread() is threading.main_thread():
             self.manager.save_on_signal()
+
+    def saved_meta(self) -> dict[str, Any] | None:
+        """The metadata of the latest good step (e.g. the plan it was trained with), or None without one; read
+        before building the state, so a resumed run can keep its plan."""
+        step = self.manager.latest_good_step()
+        return None if step is None else self.manager.user_meta(step)
+
+    def _restore(self, state: Any, data_iter: Any) -> Any:
+        restored, data_state, meta = self.manager.restore(abstract_train_state(state))
+        if data_state is not None and callable(getattr(data_iter, "set_state", None)):
+            data_iter.set_state(data_state)
+        self.resumed_from = self.manager.restored_step
+        self.resumed_meta = dict(meta or {})
+        return restored
 
     def restore_latest(self, state: Any, data_iter: Any) -> Any:
         """The latest good step restored onto ``state``'s shardings (and the iterator moved), else ``state``."""
         if self.manager.latest_good_step() is None:
             return state
-        restored, data_state, _ = self.manager.restore(abstract_train_state(state))
-        if data_state is not None and callable(getattr(data_iter, "set_state", None)):
-            data_iter.set_state(data_state)
-        self.resumed_from = self.manager.restored_step
-        return restored
+        return self._restore(state, data_iter)
 
-    def _save(self, step: int, state: Any, data_iter: Any, force: bool) -> bool:
+    def roll_back(self, state: Any, data_iter: Any) -> Any | None:
+        """Like `restore_latest` after waiting for saves in flight; None when there is no good step."""
+        self.manager.wait()
+        if self.manager.latest_good_step() is None:
+            return None
+        return self._restore(state, data_iter)
+
+    def due(self, step: int) -> bool:
+        """Whether a save of ``step`` is due now (schedule or signal); the `Trainer` then fetches its metrics
+        (spike checks come before saves) and calls `save`."""
+        return self.manager.due(step)
+
+    @property
+    def stop_requested(self) -> bool:
+        """True once a signal-forced save has committed: the loop should stop."""
+        return self.manager.preempted
+
+    def save(
+        self, step: int, state: Any, data_iter: Any, meta: dict[str, Any] | None = None, force: bool = False
+    ) -> bool:
+        """Save ``step`` if due (or ``force``), with the iterator's position and ``meta`` added to the run's."""
         t0 = time.perf_counter()
-        saved = self.manager.maybe_save(step, state, data_state=_data_state(data_iter), meta=self.meta, force=force)
+        saved = self.manager.maybe_save(
+            step, state, data_state=_data_state(data_iter), meta={**self.meta, **(meta or {})}, force=force
+        )
         if saved:
             self.save_times.append((step, time.perf_counter() - t0))
         return saved
 
     def maybe_save(self, step: int, state: Any, data_iter: Any) -> bool:
         """Save if due; return True when the run must stop (a SIGTERM-forced save has committed)."""
-        self._save(step, state, data_iter, force=False)
+        self.save(step, state, data_iter)
         return self.manager.preempted
 
-    def finish(self, step: int, state: Any, data_iter: Any) -> None:
+    def finish(self, step: int, state: Any, data_iter: Any, meta: dict[str, Any] | None = None) -> None:
         """Save the final step (unless already saved), wait for every save to commit, release the manager."""
         try:
             if step > 0 and jax.tree.leaves(state):
-                self._save(step, state, data_iter, force=True)
+                self.save(step, state, data_iter, meta, force=True)
         finally:
             self.close()
 

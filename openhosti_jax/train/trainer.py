@@ -1,4 +1,10 @@
-"""`Trainer`: the loop around an ``@spmd`` step: progress bar, JSONL metrics, checkpoints, clean Ctrl-C.
+"""`Trainer`: the loop around an ``@spmd`` step: progress, metric writers, checkpoints, eval, spikes, clean Ctrl-C.
+
+Metrics stay on the device until the logging interval (``log_every``), a save or the end: the loop never waits for
+a step to finish. Each record then gets its step's metrics, the interval's mean step time, tokens/s, the learning
+rate and the running count of skipped non-finite steps. A step whose update is not finite leaves the state as it
+was (`openhosti_jax.state.guard`) and does not count towards ``num_steps``; a loss spike
+(`openhosti_jax.train.spikes.LossSpikePolicy`) rolls back to the last good checkpoint and skips its batches.
 
 Example:
     >>> import jax, jax.numpy as jnp, optax, tempfile, os
@@ -9,10 +15,10 @@ Example:
     ... def step(state, batch):
     ...     loss, g = jax.value_and_grad(lambda p: jnp.mean((batch["x"] @ p["w"] - 1.0) ** 2))(state.params)
     ...     return state.apply_gradients(grads=g), {"loss": loss}
-    >>> batches = ({"x": jnp.ones((8, 4))} for _ in range(3))
+    >>> batches = [{"x": jnp.ones((8, 4))}] * 3
     >>> result = oh.Trainer(step, progress=False).fit(state, batches, num_steps=3)
-    >>> int(result.state.step), len(result.history)
-    (3, 3)
+    >>> int(result.state.step), len(result.history), result.history[-1]["step"]
+    (3, 3, 3)
 """
 
 from __future__ import annotations
@@ -20,16 +26,21 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from openhosti_jax.data.position import CountingIterator, restartable
 from openhosti_jax.errors import StateError
 from openhosti_jax.state.layout import step_of
 from openhosti_jax.train.metrics import MetricsLog, to_python
+from openhosti_jax.train.profiling import ProfileWindow
+from openhosti_jax.train.spikes import LossSpikePolicy
+from openhosti_jax.train.writers import MetricWriter
 
 
 @dataclasses.dataclass
@@ -39,9 +50,16 @@ class FitResult:
     state: Any
     """The final state (after the last completed step)."""
     history: list[dict[str, Any]]
-    """One metrics record per completed step."""
+    """One metrics record per step run (a skipped non-finite step has ``skipped_nonfinite`` 1 and the step number
+    it did not advance); steps rolled back after a loss spike are removed."""
     interrupted: bool = False
     """True when Ctrl-C (or SIGTERM through the checkpoint manager) ended the run early."""
+    eval_history: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    """One record per evaluation: ``step`` and ``eval_<metric>`` means over the eval batches."""
+    events: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    """What the loop did besides stepping: ``resumed`` (step, steps left) and ``spike`` (with the rollback)."""
+    skipped_nonfinite: int = 0
+    """Steps whose update was not finite and was not applied (this run)."""
 
 
 def _default_tokens(batch: Any) -> int:
@@ -52,11 +70,42 @@ def _default_tokens(batch: Any) -> int:
     return int(np.prod(np.shape(first)[:2])) * (jax.process_count() if not isinstance(first, jax.Array) else 1)
 
 
+def injected_learning_rate(state: Any) -> Any:
+    """The ``learning_rate`` an ``optax.inject_hyperparams`` optimizer holds in ``state`` (a device scalar), or
+    None."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        names = [str(getattr(k, "key", getattr(k, "name", ""))) for k in path]
+        if "hyperparams" in names and names[-1] == "learning_rate":
+            return leaf
+    return None
+
+
+@dataclasses.dataclass
+class _Pending:
+    batch: int
+    """The batch's number in the data stream (1-based, counting skipped batches)."""
+    metrics: Any
+    tokens: int
+
+
 class Trainer:
     """Runs ``step(state, batch) -> (state, metrics)`` over a data iterator.
 
-    ``checkpoint`` is an `openhosti_jax.checkpoint.CheckpointManager` (or anything with its ``maybe_save`` /
-    ``restore_latest`` methods): the run resumes from its latest good step and saves on its schedule and at the end.
+    Args:
+        step: the train step (an ``@spmd`` step, or any callable).
+        metrics_path: a JSONL file for the records (shorthand for a `JsonlWriter` in ``writers``).
+        writers: more `openhosti_jax.train.writers.MetricWriter` s (TensorBoard, wandb).
+        progress: show a progress bar (process 0).
+        log_every: fetch metrics from the device and write them every this many steps.
+        tokens_in_batch: tokens of a batch, for tokens/s.
+        checkpoint: a `TrainerCheckpoint` (or anything with its methods): the run resumes from its latest good
+            step, saves on its schedule and at the end; the loop stops after a SIGTERM-forced save.
+        learning_rate: a float or an optax schedule ``count -> lr``, logged as ``lr`` (without it, the
+            ``learning_rate`` of an ``optax.inject_hyperparams`` optimizer is logged at each interval).
+        eval_step: ``eval_step(state, batch) -> metrics`` for ``fit(eval_data=...)``; with an ``@spmd`` step it is
+            jitted under the same plan, without donation.
+        spikes: a `LossSpikePolicy`: spikes roll back to the last good checkpoint (needs ``checkpoint``).
+        profile: a `ProfileWindow`: a ``jax.profiler`` trace of those steps.
     """
 
     def __init__(
@@ -64,19 +113,37 @@ class Trainer:
         step: Callable[[Any, Any], tuple[Any, Any]],
         *,
         metrics_path: str | os.PathLike | None = None,
+        writers: Sequence[MetricWriter] = (),
         progress: bool = True,
-        log_every: int = 1,
+        log_every: int = 10,
         tokens_in_batch: Callable[[Any], int] = _default_tokens,
         checkpoint: Any | None = None,
+        learning_rate: float | Callable[[int], Any] | None = None,
+        eval_step: Callable[[Any, Any], Any] | None = None,
+        spikes: LossSpikePolicy | None = None,
+        profile: ProfileWindow | None = None,
     ):
         if log_every < 1:
             raise StateError(f"log_every must be >= 1, found {log_every}")
+        if spikes is not None and checkpoint is None:
+            raise StateError(
+                "Trainer(spikes=...) rolls back to the last good checkpoint, but no checkpoint was given; pass "
+                "checkpoint=openhosti_jax.TrainerCheckpoint(directory, every_steps=N)"
+            )
         self.step = step
         self.metrics_path = metrics_path
+        self.writers = list(writers)
         self.progress = progress and jax.process_index() == 0
         self.log_every = log_every
         self.tokens_in_batch = tokens_in_batch
         self.checkpoint = checkpoint
+        self.learning_rate = learning_rate
+        self.eval_step = eval_step
+        self.spikes = spikes
+        self.profile = profile
+        self._eval_fn: Callable[[Any, Any], Any] | None = None
+
+    # -- description --------------------------------------------------------------------------------------
 
     def _describe(self) -> str:
         plan = getattr(self.step, "plan", None)
@@ -90,64 +157,275 @@ class Trainer:
                 parts.append(note)
         return " ".join(parts)
 
-    def _postfix(self, record: dict[str, Any], dt: float, tokens: int) -> str:
+    def _postfix(self, record: dict[str, Any]) -> str:
         parts = []
         if isinstance(record.get("loss"), float):
             parts.append(f"loss={record['loss']:.4f}")
+        dt = record.get("step_time_s") or 0.0
         if dt > 0:
             parts.append(f"{1 / dt:.2f} step/s")
-            parts.append(f"{tokens / dt:,.0f} tok/s")
+            parts.append(f"{record.get('tokens_per_s') or 0:,.0f} tok/s")
+        if record.get("skipped_total"):
+            parts.append(f"skipped={record['skipped_total']}")
         parts.append(self._describe())
         return " ".join(p for p in parts if p)
 
-    def fit(self, state: Any, data: Iterable[Any], num_steps: int) -> FitResult:
-        """Train until ``num_steps`` optimizer steps are done (a resumed state continues from its count), or the data
-        ends, or Ctrl-C. ``state`` is any pytree the step takes; its step count is its ``step`` field or optax's
-        ``count`` (`openhosti_jax.state.layout.step_of`), else the resumed checkpoint's step."""
-        data_iter: Iterator[Any] = iter(data)
+    def _say(self, text: str) -> None:
+        if self.progress:
+            tqdm.write(text)
+
+    # -- data -----------------------------------------------------------------------------------------------
+
+    def _data(self, data: Iterable[Any]) -> Iterator[Any]:
+        stateful = callable(getattr(data, "get_state", None)) and callable(getattr(data, "set_state", None))
+        if stateful:
+            return iter(data)
+        if self.checkpoint is None and self.spikes is None:
+            return iter(data)
+        if self.spikes is not None and not restartable(data):
+            raise StateError(
+                f"Trainer(spikes=...) replays the batches after the last checkpoint, but the data is a one-shot "
+                f"{type(data).__name__} without get_state()/set_state(); pass a list, a dataset object that "
+                "iterates again, or openhosti_jax.data.ArrayDataset"
+            )
+        warnings.warn(
+            f"the data ({type(data).__name__}) has no get_state()/set_state(): its position is saved as a batch "
+            "count and a resumed run skips that many batches, which is exact only if it yields the same batches "
+            "in the same order every time (give it a get_state()/set_state() to avoid the skipping)",
+            stacklevel=3,
+        )
+        return CountingIterator(data)
+
+    # -- eval -----------------------------------------------------------------------------------------------
+
+    def _evaluate(self, state: Any, eval_data: Any, step: int) -> dict[str, Any]:
+        if self._eval_fn is None:
+            evaluator = getattr(self.step, "evaluator", None)
+            self._eval_fn = evaluator(self.eval_step) if callable(evaluator) else jax.jit(self.eval_step)
+        source = eval_data() if callable(eval_data) and not hasattr(eval_data, "__iter__") else eval_data
+        rewind = getattr(source, "get_state", None)
+        start = rewind() if callable(rewind) else None
+        sums: dict[str, float] = {}
+        count = 0
+        outputs = [self._eval_fn(state, batch) for batch in source]
+        for out in jax.device_get(outputs):
+            for k, v in to_python(out).items():
+                if isinstance(v, int | float) and v is not None:
+                    sums[k] = sums.get(k, 0.0) + float(v)
+            count += 1
+        if start is not None:
+            source.set_state(start)
+        if count == 0:
+            raise StateError("the eval data gave no batches; pass a list or a dataset with at least one batch")
+        return {"step": step, **{f"eval_{k}": v / count for k, v in sums.items()}, "eval_batches": count}
+
+    def _check_eval(self, eval_data: Any, eval_every: int | None) -> None:
+        if eval_data is None:
+            return
+        if self.eval_step is None:
+            raise StateError("fit(eval_data=...) needs Trainer(eval_step=fn) with fn(state, batch) -> metrics")
+        if eval_every is not None and eval_every < 1:
+            raise StateError(f"eval_every must be >= 1, found {eval_every}")
+        stateful = callable(getattr(eval_data, "get_state", None))
+        if not (callable(eval_data) or stateful or restartable(eval_data)):
+            raise StateError(
+                f"eval_data is a one-shot {type(eval_data).__name__}, which would be empty at the second "
+                "evaluation; pass a list, a dataset with get_state()/set_state(), or a function returning a fresh "
+                "iterator"
+            )
+
+    # -- the loop -------------------------------------------------------------------------------------------
+
+    def _learning_rate(self, state: Any, step: int, last: bool) -> float | None:
+        if self.learning_rate is None:
+            found = injected_learning_rate(state) if last else None
+            return None if found is None else float(found)
+        lr = self.learning_rate(max(step - 1, 0)) if callable(self.learning_rate) else self.learning_rate
+        return float(lr)
+
+    def fit(
+        self,
+        state: Any,
+        data: Iterable[Any],
+        num_steps: int,
+        *,
+        eval_data: Any = None,
+        eval_every: int | None = None,
+    ) -> FitResult:
+        """Train until the state has taken ``num_steps`` optimizer steps (a resumed state continues from its
+        count), or the data ends, or Ctrl-C. ``state`` is any pytree the step takes; its step count is its
+        ``step`` field or optax's ``count`` (`openhosti_jax.state.layout.step_of`), else the resumed checkpoint's
+        step. ``eval_data`` (a list, a resumable dataset, or a function returning batches) is evaluated every
+        ``eval_every`` steps and at the end."""
+        self._check_eval(eval_data, eval_every)
+        data_iter = self._data(data)
+        batch_no = 0
+        events: list[dict[str, Any]] = []
         if self.checkpoint is not None:
             state = self.checkpoint.restore_latest(state, data_iter)
+            batch_no = int((getattr(self.checkpoint, "resumed_meta", None) or {}).get("batches", 0))
         counted = step_of(state)
-        start = counted if counted is not None else getattr(self.checkpoint, "resumed_from", None) or 0
-        done = start
-        history: list[dict[str, Any]] = []
-        interrupted = False
-        bar = tqdm(total=num_steps, initial=start, disable=not self.progress, dynamic_ncols=True, unit="step")
-        log = MetricsLog(self.metrics_path)
-        t_prev = time.perf_counter()
+        applied = counted if counted is not None else getattr(self.checkpoint, "resumed_from", None) or 0
+        batch_no = batch_no or applied
+        if getattr(self.checkpoint, "resumed_from", None) is not None:
+            left = max(num_steps - applied, 0)
+            events.append({"event": "resumed", "step": applied, "steps_left": left})
+            self._say(
+                f"resumed from the checkpoint at step {applied}: "
+                + (f"{left} of {num_steps} steps left" if left else f"the run is already complete ({num_steps} steps)")
+            )
+        result = FitResult(state, [], events=events)
+        watch = self.spikes.watch() if self.spikes is not None else None
+        skip: set[int] = set()
+        rollbacks = 0
+        pending: list[_Pending] = []
+        bar = tqdm(total=num_steps, initial=applied, disable=not self.progress, dynamic_ncols=True, unit="step")
+        writers: list[MetricWriter] = [MetricsLog(self.metrics_path)] if self.metrics_path else []
+        writers += self.writers
+        t_flush = time.perf_counter()
+
+        def flush() -> bool:
+            """Fetch the pending metrics, write records; True when a spike rolled the run back."""
+            nonlocal applied, batch_no, state, t_flush, rollbacks
+            if not pending:
+                return False
+            fetched = jax.device_get([p.metrics for p in pending])
+            now = time.perf_counter()
+            dt, t_flush = (now - t_flush) / len(pending), now
+            for i, (p, metrics) in enumerate(zip(pending, fetched, strict=True)):
+                metrics = to_python(metrics)
+                skipped = isinstance(metrics, dict) and bool(metrics.get("skipped_nonfinite"))
+                score = None
+                if watch is not None and not skipped and isinstance(metrics.get("loss"), float):
+                    score = watch.check(p.batch, metrics["loss"])
+                if score is not None:
+                    pending.clear()
+                    state = self._roll_back(state, data_iter, p.batch, metrics["loss"], score, result, watch, skip)
+                    rollbacks += 1
+                    applied = step_of(state) if step_of(state) is not None else self.checkpoint.resumed_from
+                    batch_no = int(self.checkpoint.resumed_meta.get("batches", applied))
+                    bar.reset(total=num_steps)
+                    bar.update(applied)
+                    if rollbacks >= self.spikes.max_rollbacks:
+                        raise StateError(
+                            f"{rollbacks} loss spikes rolled the run back (LossSpikePolicy.max_rollbacks); the "
+                            f"last at batch {p.batch}, loss {metrics['loss']:.4g}, z={score:.1f}: look at the data "
+                            "and the learning rate, or raise max_rollbacks / z"
+                        )
+                    return True
+                if skipped:
+                    result.skipped_nonfinite += 1
+                else:
+                    applied += 1
+                record = {
+                    "step": applied,
+                    "batch": p.batch,
+                    **(metrics if isinstance(metrics, dict) else {"metrics": metrics}),
+                    "step_time_s": dt,
+                    "tokens_per_s": p.tokens / dt if dt else None,
+                    "skipped_total": result.skipped_nonfinite,
+                }
+                lr = self._learning_rate(state, applied, last=i == len(fetched) - 1)
+                if lr is not None:
+                    record["lr"] = lr
+                result.history.append(record)
+                for w in writers:
+                    w.write(record)
+            bar.set_postfix_str(self._postfix(result.history[-1]))
+            pending.clear()
+            return False
+
         try:
-            for i in range(start, num_steps):
+            while applied + len(pending) < num_steps:
                 try:
                     batch = next(data_iter)
                 except StopIteration:
                     break
+                batch_no += 1
+                if batch_no in skip:
+                    continue
+                upcoming = applied + len(pending) + 1
+                if self.profile is not None:
+                    self.profile.before(upcoming)
                 state, metrics = self.step(state, batch)
-                done = i + 1
-                metrics = to_python(jax.device_get(metrics))
-                now = time.perf_counter()
-                dt, t_prev = now - t_prev, now
-                tokens = self.tokens_in_batch(batch)
-                record = {
-                    "step": i + 1,
-                    **metrics,
-                    "step_time_s": dt,
-                    "tokens_per_s": tokens / dt if dt else None,
-                }
-                history.append(record)
-                if (i + 1) % self.log_every == 0 or i + 1 == num_steps:
-                    log.write(record)
-                    bar.set_postfix_str(self._postfix(record, dt, tokens))
+                pending.append(_Pending(batch_no, metrics, self.tokens_in_batch(batch)))
                 bar.update(1)
-                if self.checkpoint is not None:
-                    stop = self.checkpoint.maybe_save(done, state, data_iter)
-                    if stop:
-                        interrupted = True
+                if self.profile is not None:
+                    self.profile.after(upcoming, state)
+                save_due = self.checkpoint is not None and self.checkpoint.due(upcoming)
+                eval_due = eval_data is not None and eval_every is not None and upcoming % eval_every == 0
+                if len(pending) >= self.log_every or upcoming == num_steps or save_due or eval_due:
+                    if flush():
+                        continue
+                if self.checkpoint is not None and not pending and self.checkpoint.due(applied):
+                    self.checkpoint.save(applied, state, data_iter, {"batches": batch_no})
+                    if self.checkpoint.stop_requested:
+                        result.interrupted = True
                         break
+                if eval_due and applied == upcoming:
+                    self._eval_record(state, eval_data, applied, result, writers)
         except KeyboardInterrupt:
-            interrupted = True
+            result.interrupted = True
         finally:
-            bar.close()
-            log.close()
-            if self.checkpoint is not None:
-                self.checkpoint.finish(done, state, data_iter)
-        return FitResult(state, history, interrupted)
+            try:
+                flush()
+            finally:
+                bar.close()
+                if self.profile is not None:
+                    self.profile.stop(state)
+                if self.checkpoint is not None:
+                    self.checkpoint.finish(applied, state, data_iter, {"batches": batch_no})
+        if (
+            eval_data is not None
+            and not result.interrupted
+            and (not result.eval_history or result.eval_history[-1]["step"] != applied)
+        ):
+            self._eval_record(state, eval_data, applied, result, writers)
+        for w in writers:
+            w.close()
+        result.state = state
+        return result
+
+    def _eval_record(self, state: Any, eval_data: Any, step: int, result: FitResult, writers: list) -> None:
+        record = self._evaluate(state, eval_data, step)
+        result.eval_history.append(record)
+        for w in writers:
+            w.write(record)
+        self._say(" ".join(f"{k}={v:.4f}" for k, v in record.items() if k.startswith("eval_") and "batches" not in k))
+
+    def _roll_back(
+        self,
+        state: Any,
+        data_iter: Any,
+        batch: int,
+        loss: float,
+        score: float,
+        result: FitResult,
+        watch: Any,
+        skip: set[int],
+    ) -> Any:
+        restored = self.checkpoint.roll_back(state, data_iter)
+        if restored is None:
+            raise StateError(
+                f"loss spike at batch {batch} (loss {loss:.4g}, z={score:.1f}) but no good checkpoint to roll back "
+                "to yet; save more often (every_steps) or raise LossSpikePolicy.min_history"
+            )
+        back_to = int(self.checkpoint.resumed_meta.get("batches", self.checkpoint.resumed_from))
+        skipped = list(range(max(batch - self.spikes.skip_batches + 1, back_to + 1), batch + 1))
+        skip.update(skipped)
+        watch.forget_after(back_to)
+        result.history = [r for r in result.history if r["batch"] <= back_to]
+        event = {
+            "event": "spike",
+            "batch": batch,
+            "loss": loss,
+            "z": score,
+            "rolled_back_to_step": self.checkpoint.resumed_from,
+            "skipped_batches": skipped,
+        }
+        result.events.append(event)
+        self._say(
+            f"loss spike at batch {batch} (loss {loss:.4g}, z={score:.1f}): rolled back to step "
+            f"{self.checkpoint.resumed_from}, skipping batches {skipped}"
+        )
+        return restored
