@@ -2,7 +2,8 @@
 
     python examples/train_gpt.py --steps 200 --run-dir runs/gpt
 
-Re-running the same command resumes from the latest checkpoint in ``--run-dir``.
+Re-running the same command resumes from the latest checkpoint in ``--run-dir``, with the plan it was saved with.
+Warnings and library log lines go to ``<run-dir>/log.txt``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices (default 8)")
     parser.add_argument("--run-dir", default="runs/gpt", help="metrics.jsonl and checkpoints/ go here")
     parser.add_argument("--checkpoint-every", type=int, default=50, help="also save every N steps (default 50)")
+    parser.add_argument("--replan", action="store_true", help="on resume, plan again instead of keeping the plan")
     args = parser.parse_args(argv)
 
     # The device count must be fixed before jax is imported.
@@ -39,11 +41,15 @@ def main(argv: list[str] | None = None) -> int:
         metrics_path=os.path.join(args.run_dir, "metrics.jsonl"),
         checkpoint_dir=os.path.abspath(os.path.join(args.run_dir, "checkpoints")),
         checkpoint_every_steps=args.checkpoint_every,
+        log_path=os.path.join(args.run_dir, "log.txt"),
+        replan=args.replan,
     )
     result = run_job(job)
     losses = [h["loss"] for h in result.history]
     if losses:
         print(f"trained {len(losses)} steps: loss {losses[0]:.3f} -> {losses[-1]:.3f}; run dir {args.run_dir}")
+    elif not result.interrupted:
+        print(f"nothing to train: the run in {args.run_dir} already reached {args.steps} steps (raise --steps)")
     return 130 if result.interrupted else 0
 
 

@@ -31,6 +31,7 @@ from openhosti_jax.sharding.plan import ShardingPlan
 from openhosti_jax.state.model import model_parts
 from openhosti_jax.state.train_state import TrainState
 from openhosti_jax.train import FitResult, SpmdStep, Trainer, TrainerCheckpoint, create_train_state, resolve_plan, spmd
+from openhosti_jax.train.logs import log_to_file
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +65,10 @@ class GPTJob:
     """Show the progress bar."""
     print_plan: bool = True
     """Print the sharding plan before training."""
+    log_path: str | None = None
+    """Where warnings and library log lines go while training (None: the terminal)."""
+    replan: bool = False
+    """Plan again on resume instead of keeping the plan the checkpoint was trained with."""
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.global_batch < 1 or self.num_sequences < self.global_batch:
@@ -89,15 +94,43 @@ def gpt_train_step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[Trai
     return step(state, batch)
 
 
-def build_job(job: GPTJob, mesh: Mesh | None = None) -> tuple[TrainState, ShardingPlan, SpmdStep, ArrayDataset]:
+def kept_plan(checkpoint: TrainerCheckpoint | None, job: GPTJob) -> tuple[dict[str, Any] | None, str | None]:
+    """(the plan decision a resumed run keeps, a line saying what happened to the plan); (None, None) for a fresh
+    run. The saved plan is kept unless ``job.replan``, the device count changed, or it pipelined."""
+    saved = checkpoint.saved_meta() if checkpoint is not None else None
+    decision = (saved or {}).get("plan_decision")
+    if decision is None:
+        return None, None
+    step = checkpoint.manager.latest_good_step()
+    if job.replan:
+        return None, f"resumed from step {step}: planning again, as asked (the saved plan is not kept)"
+    if decision.get("devices") != jax.device_count():
+        return None, (
+            f"resumed from step {step}: the checkpoint's plan ran on {decision.get('devices')} devices and this run "
+            f"has {jax.device_count()}, so the planner chose again"
+        )
+    if decision.get("pipeline_stages", 1) > 1:
+        return None, f"resumed from step {step}: the saved plan pipelined; the planner chose again"
+    return decision, f"resumed from step {step}: keeping the plan the checkpoint was trained with"
+
+
+def build_job(
+    job: GPTJob, mesh: Mesh | None = None, keep: dict[str, Any] | None = None
+) -> tuple[TrainState, ShardingPlan, SpmdStep, ArrayDataset]:
     """(sharded state, plan, the @spmd step, the data iterator) for ``job``; ``step.report`` says why the plan.
 
     With ``job.plan == "auto"`` and no ``mesh`` the planner searches mesh shapes x ZeRO stages for all devices;
-    with a ``mesh`` it chooses the ZeRO stage on that mesh.
+    with a ``mesh`` it chooses the ZeRO stage on that mesh. ``keep`` (a `ShardingPlan.decision` from a checkpoint,
+    see `kept_plan`) rebuilds that plan instead, on ``mesh``'s devices.
     """
     tx = optax.adam(job.learning_rate)
     init_fn = lambda r: GPT(job.model, rngs=nnx.Rngs(r))
-    if job.plan == "auto" and mesh is None:
+    if keep is not None:
+        devices = None if mesh is None else list(mesh.devices.flat)
+        mesh = build_mesh(MeshConfig.from_sizes(dict(keep["mesh_shape"])), devices)
+        fields = {k: keep[k] for k in ("num_microbatches", "remat", "precision")}
+        plan, report = resolve_plan(keep["zero_stage"], model_parts(init_fn, mesh=mesh).params, tx, mesh, **fields)
+    elif job.plan == "auto" and mesh is None:
         tokens = jax.ShapeDtypeStruct((job.global_batch, job.model.seq_len), jnp.int32)
         plan, report = choose_plan(init_fn, tx, tokens, step_fn=lambda s, t: gpt_train_step(s, {"tokens": t}))
         mesh = build_mesh(MeshConfig.from_sizes(dict(plan.mesh_shape)))
@@ -112,15 +145,33 @@ def build_job(job: GPTJob, mesh: Mesh | None = None) -> tuple[TrainState, Shardi
     return state, plan, step, data
 
 
+def plan_meta(plan: ShardingPlan) -> dict[str, Any]:
+    """What a checkpoint records about the plan: its table and its decision (with the device count)."""
+    return {"plan": str(plan), "plan_decision": {**plan.decision(), "devices": jax.device_count()}}
+
+
 def run_job(job: GPTJob, mesh: Mesh | None = None) -> FitResult:
-    """Build and train; print the plan first (``job.print_plan``)."""
-    state, plan, step, data = build_job(job, mesh)
-    if job.print_plan and jax.process_index() == 0:
-        print(step.report)
+    """Build and train; print the plan first (``job.print_plan``). A run resuming from ``job.checkpoint_dir``
+    keeps the plan it was saved with (`kept_plan`)."""
     checkpoint = None
     if job.checkpoint_dir is not None:
-        checkpoint = TrainerCheckpoint(
-            job.checkpoint_dir, every_steps=job.checkpoint_every_steps, meta={"plan": str(plan)}
-        )
-    trainer = Trainer(step, metrics_path=job.metrics_path, progress=job.progress, checkpoint=checkpoint)
-    return trainer.fit(state, data, num_steps=job.steps)
+        checkpoint = TrainerCheckpoint(job.checkpoint_dir, every_steps=job.checkpoint_every_steps)
+    keep, note = kept_plan(checkpoint, job)
+    state, plan, step, data = build_job(job, mesh, keep)
+    if note:
+        step.report.record(note)
+    if checkpoint is not None:
+        checkpoint.meta.update(plan_meta(plan))
+    if job.print_plan and jax.process_index() == 0:
+        print(step.report)
+    trainer = Trainer(
+        step,
+        metrics_path=job.metrics_path,
+        progress=job.progress,
+        checkpoint=checkpoint,
+        learning_rate=job.learning_rate,
+    )
+    if job.log_path is None:
+        return trainer.fit(state, data, num_steps=job.steps)
+    with log_to_file(job.log_path):
+        return trainer.fit(state, data, num_steps=job.steps)

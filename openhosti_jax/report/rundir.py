@@ -10,6 +10,8 @@ Layout (every file but ``metrics.jsonl`` is optional; a figure whose data is mis
                            "forward_times", "backward_times", "comm_time"}
     DIR/balance.jsonl      balancer assignments: {"step": int, "counts": [microbatches per device]}
     DIR/checkpoints.jsonl  checkpoint calls: {"step": int, "blocking_s": float}
+    DIR/log.txt            warnings and library log lines of the run (kept off the terminal)
+    DIR/tensorboard/       TensorBoard events (``--tensorboard``); DIR/profile/ a jax.profiler trace
 
 Example:
     >>> import tempfile
@@ -35,6 +37,7 @@ PLAN_JSON = "plan.json"
 SCHEDULE = "schedule.json"
 BALANCE = "balance.jsonl"
 CHECKPOINTS = "checkpoints.jsonl"
+LOG = "log.txt"
 
 
 @dataclasses.dataclass(frozen=True)

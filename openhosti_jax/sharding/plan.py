@@ -137,6 +137,19 @@ class ShardingPlan:
             text += repr((self.pipeline_stages, self.pipeline_schedule, self.pipeline_virtual, self.stage_boundaries))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
+    def decision(self) -> dict[str, Any]:
+        """The choices that make this plan, as JSON (saved with checkpoints so a resumed run keeps them):
+        mesh shape, ZeRO stage, microbatches, remat, precision and pipeline stages. `from_zero` with these
+        (and the same parameters and rules) rebuilds the plan of a non-pipelined run."""
+        return {
+            "mesh_shape": {str(k): int(v) for k, v in self.mesh_shape.items()},
+            "zero_stage": self.zero_stage,
+            "num_microbatches": self.num_microbatches,
+            "remat": self.remat,
+            "precision": self.precision,
+            "pipeline_stages": self.pipeline_stages,
+        }
+
     def table(self, params: Any | None = None) -> str:
         """The plan as a table; with ``params`` (an abstract tree) the leaves show shapes, largest first, and the
         largest leaves left replicated are listed."""
