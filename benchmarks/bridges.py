@@ -15,6 +15,9 @@ Prints one JSON object on its last line (keys in /work/shared/BENCHMARKS.md):
 - ``optimized_ddp_over_torch_ddp_step``: the step time (forward, backward, AdamW) of `OptimizedDDP`'s drop-in mode
   over torch's ``DistributedDataParallel`` (gloo), 2 processes started as torchrun starts them, one CPU device each,
   the same tied-embedding transformer; median over rounds of the ratio within a round (reported; no goal on CPU).
+- ``full_mode_over_torch_ddp_step``: the same for `OptimizedDDP`'s full mode (``train_step``: forward, loss, gradient
+  and AdamW's optax equivalent as one program, ZeRO-3 over the 2 processes' devices) in the same processes, same
+  model and batch, timed in the same rounds (reported).
 Runs alternate A and B in one process; loader ratios are medians over rounds of the ratio within a round.
 """
 
@@ -193,19 +196,35 @@ def _ddp_worker(rounds: int = 7, steps: int = 10) -> None:
     opts = {k: torch.optim.AdamW(m.parameters(), 1e-3) for k, m in models.items()}
     tokens = torch.randint(0, 512, (8, 128))
 
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, 512), targets.reshape(-1))
+
+    full_model = _TinyGPT()
+    full = OptimizedDDP(full_model, optimizer=torch.optim.AdamW(full_model.parameters(), 1e-3), loss_fn=loss_fn)
+
     def run(k: str) -> float:
         t0 = time.perf_counter()
         for _ in range(steps):
+            if k == "full":
+                full.train_step(tokens, tokens)  # returns the loss as a float tensor: the step has finished
+                continue
             opts[k].zero_grad()
-            logits = models[k](tokens)
-            torch.nn.functional.cross_entropy(logits.reshape(-1, 512), tokens.reshape(-1)).backward()
+            loss_fn(models[k](tokens), tokens).backward()
             opts[k].step()
         return (time.perf_counter() - t0) / steps
 
-    run("torch"), run("ours")  # compile and warm up
-    ratios = [run("ours") / run("torch") for _ in range(rounds)]
+    run("torch"), run("ours"), run("full")  # compile and warm up
+    ratios: dict[str, list[float]] = {"ours": [], "full": []}
+    for _ in range(rounds):
+        torch_s = run("torch")
+        for k in ratios:
+            ratios[k].append(run(k) / torch_s)
     if dist.get_rank() == 0:
-        print("DDP " + json.dumps({"optimized_ddp_over_torch_ddp_step": statistics.median(ratios)}), flush=True)
+        result = {
+            "optimized_ddp_over_torch_ddp_step": statistics.median(ratios["ours"]),
+            "full_mode_over_torch_ddp_step": statistics.median(ratios["full"]),
+        }
+        print("DDP " + json.dumps(result), flush=True)
     dist.destroy_process_group()
 
 

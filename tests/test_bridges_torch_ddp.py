@@ -4,6 +4,7 @@
 import copy
 import importlib.util
 
+import jax
 import numpy as np
 import pytest
 
@@ -13,6 +14,7 @@ if importlib.util.find_spec("torchax") is None:  # imported through the shim onl
 
 from openhosti_jax.bridges.torch_lowering import import_torchax  # noqa: E402
 from openhosti_jax.errors import BatchError  # noqa: E402
+from openhosti_jax.mesh import MeshConfig, build_mesh  # noqa: E402
 from openhosti_jax.train.torch_ddp import OptimizedDDP  # noqa: E402
 
 
@@ -156,10 +158,11 @@ def _groups(model: torch.nn.Module) -> list[dict]:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("plan", ["fsdp", "auto"])
+@pytest.mark.parametrize("plan", ["fsdp", "auto", "fsdp-axis"])
 def test_full_mode_trains_as_plain_torch_with_sharded_state(plan):
     """torch AdamW with two parameter groups (decay on matrices only, another rate for the rest) mapped to optax; the
-    module's weights come back through state_dict()."""
+    module's weights come back through state_dict(). ``fsdp-axis``: a mesh whose 8 devices are on its ``fsdp`` axis,
+    the batch split over it (``data_axis="fsdp"``), the parameters sharded over it."""
     torch.manual_seed(0)
     reference = TinyGPT(vocab=256)  # an embedding large enough to shard (>= 4096 elements)
     ours = copy.deepcopy(reference)
@@ -175,13 +178,16 @@ def test_full_mode_trains_as_plain_torch_with_sharded_state(plan):
         loss.backward()
         opt.step()
         expected.append(float(loss.detach()))
-    ddp = OptimizedDDP(ours, optimizer=torch.optim.AdamW(_groups(ours), lr=1e-2), loss_fn=_loss, plan=plan)
+    kw = {"mesh": build_mesh(MeshConfig(data=1, fsdp=8)), "data_axis": "fsdp"} if plan == "fsdp-axis" else {}
+    opt = torch.optim.AdamW(_groups(ours), lr=1e-2)
+    ddp = OptimizedDDP(ours, optimizer=opt, loss_fn=_loss, plan="fsdp" if plan == "fsdp-axis" else plan, **kw)
     got = [float(ddp.train_step(x, y)) for x, y in batches]
     np.testing.assert_allclose(got, expected, rtol=1e-5)
-    if plan == "fsdp":  # ZeRO-3: the embedding is split over the 8 devices
+    if plan != "auto":  # ZeRO-3: the embedding is split over the 8 devices of the batch's axis
         emb = ddp.full_state.params["embed.weight"]
         local = emb.addressable_shards[0].data.shape
         assert local[0] * local[1] * 8 == emb.shape[0] * emb.shape[1]
+        assert ddp.data_axis in jax.tree.leaves(tuple(emb.sharding.spec))
     state = ddp.state_dict()
     for (name, a), b in zip(reference.state_dict().items(), ours.state_dict().values(), strict=True):
         if name.endswith("in_proj_bias"):

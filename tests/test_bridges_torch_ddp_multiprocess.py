@@ -1,5 +1,6 @@
 """OptimizedDDP against torch's DistributedDataParallel over 2 processes started as torchrun starts them
-(``MASTER_ADDR`` / ``MASTER_PORT`` / ``RANK`` / ``WORLD_SIZE``): the same losses on every rank, the same parameters.
+(``MASTER_ADDR`` / ``MASTER_PORT`` / ``RANK`` / ``WORLD_SIZE``): the same losses on every rank, the same parameters,
+in the drop-in mode and in the full mode.
 
 Run as a script, this file is one worker.
 """
@@ -23,7 +24,7 @@ def worker() -> None:
     import torch.distributed as dist
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from test_bridges_torch_ddp import TinyGPT, _train
+    from test_bridges_torch_ddp import TinyGPT, _loss, _train
 
     from openhosti_jax.train.torch_ddp import OptimizedDDP
 
@@ -31,7 +32,7 @@ def worker() -> None:
     dist.init_process_group("gloo")
     torch.manual_seed(rank)  # different starting weights per rank: both wrappers broadcast rank 0's
     model = TinyGPT()
-    ours = copy.deepcopy(model)
+    ours, full_model = copy.deepcopy(model), copy.deepcopy(model)
     g = torch.Generator().manual_seed(10 + rank)  # each rank its own batches
     batches = [
         (torch.randint(0, 64, (4, 12), generator=g), torch.randint(0, 64, (4, 12), generator=g)) for _ in range(5)
@@ -39,14 +40,25 @@ def worker() -> None:
     make = lambda p: torch.optim.SGD(p, lr=0.5, momentum=0.9)  # noqa: E731
     torch_losses = _train(torch.nn.parallel.DistributedDataParallel(model), make, batches)
     our_losses = _train(OptimizedDDP(ours), make, batches)
-    diff = max(
-        float(np.abs(a.detach().numpy() - b.detach().numpy()).max())
-        for a, b in zip(model.parameters(), ours.parameters(), strict=True)
-    )
-    print(
-        "RESULT " + json.dumps({"rank": rank, "torch": torch_losses, "ours": our_losses, "param_diff": diff}),
-        flush=True,
-    )
+    full = OptimizedDDP(full_model, optimizer=make(full_model.parameters()), loss_fn=_loss)
+    full_losses = [float(full.train_step(x, y)) for x, y in batches]  # the loss of the global batch
+    full.state_dict()
+
+    def diff(other: torch.nn.Module) -> float:
+        return max(
+            float(np.abs(a.detach().numpy() - b.detach().numpy()).max())
+            for a, b in zip(model.parameters(), other.parameters(), strict=True)
+        )
+
+    result = {
+        "rank": rank,
+        "torch": torch_losses,
+        "ours": our_losses,
+        "full": full_losses,
+        "param_diff": diff(ours),
+        "full_param_diff": diff(full_model),
+    }
+    print("RESULT " + json.dumps(result), flush=True)
     dist.destroy_process_group()
 
 
@@ -102,6 +114,10 @@ def test_two_processes_match_torch_ddp():
     for r in results.values():
         assert r["torch"] == pytest.approx(r["ours"], rel=1e-5)
         assert r["param_diff"] < 1e-5
+        assert r["full_param_diff"] < 1e-5  # the full mode (ZeRO-3 over both processes' devices) as DDP
+        # each rank's DDP loss is its own batch's; the full mode's is the global batch's: their mean
+        mean = [(a + b) / 2 for a, b in zip(results[0]["torch"], results[1]["torch"], strict=True)]
+        assert r["full"] == pytest.approx(mean, rel=1e-5)
     assert results[0]["torch"] != results[1]["torch"]  # each rank trained on its own batches
 
 

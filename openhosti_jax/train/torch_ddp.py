@@ -14,8 +14,19 @@ global batch (as ``SyncBatchNorm``), where DDP's normalises over each process's.
 The full mode, ``OptimizedDDP(module, optimizer=opt, loss_fn=loss, plan="fsdp")`` then ``model.train_step(x, y)``,
 maps the torch optimizer to optax (`openhosti_jax.bridges.torch_optim`: AdamW, Adam, SGD, their groups) and runs
 forward, loss, gradient and update as one program whose parameters and optimizer state the plan shards (ZeRO-3 by
-default); `state_dict` writes the trained weights back into the module. Buffers stay as they were (BatchNorm's
-running statistics are not updated in this mode).
+default). The buffers ride in the train state's ``model_state``: BatchNorm's running statistics are updated as torch
+updates them. ``model.eval()`` / ``model.train()`` select the program (one each). ``microbatch=k`` accumulates the
+gradient over k microbatches of the first batch (microbatch i: rows i, i + k, ...; the loss is taken as a mean over
+the rows, as torch's losses are, so the gradient is the mean of the microbatches'; BatchNorm's statistics update once
+per microbatch, as in torch's accumulation loop); ``microbatch="auto"`` picks the largest microbatch whose compiled
+peak fits ``memory_budget``. Later batches keep the microbatch size, and an out-of-memory step halves it and re-runs
+(`openhosti_jax.spmd`). Dropout draws from the train state's key (``seed``). ``checkpoint_dir=`` saves the whole
+train state (parameters, optimizer state, buffers, key) through `openhosti_jax.checkpoint.CheckpointManager` every
+``every_steps`` steps (else every 15 minutes; `save_checkpoint` saves now, `close` waits for saves in flight), and a
+new ``OptimizedDDP`` on the same directory resumes from its latest good step at its first ``train_step``.
+`state_dict` writes the trained weights and buffers back into the module; `load_state_dict` (or `load_module` after
+changing the module directly) takes the module's values into the train state, keeping the optimizer state. Load
+balancing (`openhosti_jax.balanced_step`) is not wired in: it needs a loss as (sum, count), not torch's mean.
 
 Example:
     >>> import torch
@@ -28,9 +39,11 @@ Example:
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import torch
 from jax.experimental import multihost_utils
@@ -39,11 +52,15 @@ from jax.sharding import PartitionSpec as P
 
 from openhosti_jax.bridges.torch_lowering import Lowered, lower, lower_function
 from openhosti_jax.bridges.torch_optim import optax_from_torch
+from openhosti_jax.checkpoint import CheckpointManager
 from openhosti_jax.errors import BatchError, BridgeError
 from openhosti_jax.mesh import MeshConfig, build_mesh
 from openhosti_jax.mesh.distributed import initialize_distributed
+from openhosti_jax.microbatch import split_microbatches
+from openhosti_jax.state.context import constrain_gradients, current_microbatches
+from openhosti_jax.state.init import abstract_train_state
 from openhosti_jax.train.create import Strategy, create_train_state
-from openhosti_jax.train.spmd import spmd
+from openhosti_jax.train.spmd import SpmdStep, spmd
 
 
 def _local(x: jax.Array) -> np.ndarray:
@@ -92,6 +109,11 @@ class OptimizedDDP(torch.nn.Module):
         optimizer: torch.optim.Optimizer | None = None,
         loss_fn: Any = None,
         plan: Strategy = "fsdp",
+        microbatch: int | str | None = None,
+        memory_budget: int | None = None,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        every_steps: int | None = None,
+        keep: int | None = 3,
     ) -> None:
         super().__init__()
         if (optimizer is None) != (loss_fn is None):
@@ -99,6 +121,15 @@ class OptimizedDDP(torch.nn.Module):
                 "the full mode takes both optimizer= (a torch optimizer) and loss_fn=(output, targets) -> loss; the "
                 "drop-in mode takes neither"
             )
+        full_only = {"microbatch": microbatch, "memory_budget": memory_budget, "checkpoint_dir": checkpoint_dir}
+        given = sorted(k for k, v in full_only.items() if v is not None)
+        if optimizer is None and given:
+            raise BridgeError(
+                f"{given} belong to the full mode: expected OptimizedDDP(module, optimizer=..., loss_fn=..., "
+                f"{given[0]}=...), found no optimizer; pass optimizer= and loss_fn=, or drop {given}"
+            )
+        if every_steps is not None and checkpoint_dir is None:
+            raise BridgeError("every_steps= says how often to save into checkpoint_dir=; pass checkpoint_dir= too")
         initialize_distributed()  # torchrun's (or openhosti launch's) environment: one JAX runtime over the processes
         self._key = jax.random.key(seed)
         self.module = module
@@ -110,6 +141,8 @@ class OptimizedDDP(torch.nn.Module):
         self._low: Lowered = lower(module)
         self._programs: dict[tuple[str, bool], Any] = {}
         self._full: dict[str, Any] | None = None
+        self.checkpoints: CheckpointManager | None = None
+        """The full mode's `CheckpointManager` over ``checkpoint_dir`` (None without one)."""
         if optimizer is not None:
             named = dict(module.named_parameters())
             tx = optax_from_torch(optimizer, {n: named[n] for n in self._low.param_names})
@@ -117,10 +150,18 @@ class OptimizedDDP(torch.nn.Module):
                 "tx": tx,
                 "loss": lower_function(loss_fn),
                 "plan": plan,
+                "seed": seed,
+                "microbatch": microbatch,
+                "memory_budget": memory_budget,
                 "state": None,
-                "step": None,
+                "steps": {},  # the SpmdStep of each mode (training: True / False)
+                "count": 0,  # steps trained (counting those a restored checkpoint had)
                 "dirty": False,  # trained weights not yet written back into the module
             }
+            if checkpoint_dir is not None:
+                self.checkpoints = CheckpointManager(
+                    checkpoint_dir, every_minutes=None if every_steps else 15.0, every_steps=every_steps, keep=keep
+                )
         if jax.process_count() > 1:  # as DDP does: every process starts from process 0's parameters and buffers
             with torch.no_grad():
                 state = {k: v.detach().cpu().numpy() for k, v in module.state_dict().items()}
@@ -131,13 +172,18 @@ class OptimizedDDP(torch.nn.Module):
         bad = [i for i, t in enumerate(inputs) if not isinstance(t, torch.Tensor)]
         if bad:
             raise BridgeError(f"OptimizedDDP takes tensors as positional inputs; inputs {bad} are not tensors")
+        self.sync_module()  # the full mode's trained weights, when it has trained
         named = dict(self.module.named_parameters())
-        return _Run.apply(self, len(inputs), *inputs, *(named[n] for n in self._low.param_names))
+        out = _Run.apply(self, len(inputs), *inputs, *(named[n] for n in self._low.param_names))
+        if self.full_state is not None and self.module.training and self._low.buffer_names:
+            self._take_module(params=False)  # the statistics this call updated carry into the next train_step
+        return out
 
     def train_step(self, inputs: torch.Tensor | tuple[torch.Tensor, ...], targets: torch.Tensor) -> torch.Tensor:
         """The full mode's step: forward, ``loss_fn``, gradient and the optimizer's optax update, one jitted program
-        sharded by the plan (``"fsdp"``: ZeRO-3 over the data axis; ``"dp"``, ``"zero1"``, ``"zero2"``, ``"auto"``).
-        Returns the loss; the module's weights are written back by `state_dict` / `sync_module`."""
+        sharded by the plan (``"fsdp"``: ZeRO-3 over the data axis; ``"dp"``, ``"zero1"``, ``"zero2"``, ``"auto"``),
+        in the module's mode (``train()`` / ``eval()``). Returns the loss; the module's weights are written back by
+        `state_dict` / `sync_module`. The first step resumes from ``checkpoint_dir``'s latest good step if any."""
         full = self._full
         if full is None:
             raise BridgeError(
@@ -146,58 +192,193 @@ class OptimizedDDP(torch.nn.Module):
             )
         x = tuple(self._split(t) for t in (inputs if isinstance(inputs, tuple) else (inputs,)))
         y = self._split(targets)
-        if full["step"] is None:
+        if full["state"] is None:
             self._build_full(full)
-        full["state"], metrics = full["step"](full["state"], (x, y))
+            if self.checkpoints is not None and self.checkpoints.latest_good_step() is not None:
+                self.restore_checkpoint()
+        full["state"], metrics = self._full_step(self.module.training)(full["state"], (x, y))
         full["dirty"] = True
+        full["count"] += 1
+        if self.checkpoints is not None:
+            self.checkpoints.maybe_save(full["count"], full["state"])
         return torch.tensor(float(metrics["loss"]))
 
     @property
     def full_state(self) -> Any:
-        """The full mode's train state (parameters sharded by the plan, optax state), or None before a step."""
+        """The full mode's train state (parameters sharded by the plan, optax state, buffers in ``model_state``),
+        or None before a step."""
         return None if self._full is None else self._full["state"]
 
+    @property
+    def num_microbatches(self) -> int:
+        """Gradient-accumulation steps the full mode's step in the module's current mode runs (1 before a step)."""
+        step = None if self._full is None else self._full["steps"].get(self.module.training)
+        return 1 if step is None else step.num_microbatches
+
+    @property
+    def microbatch_choice(self) -> Any:
+        """The `openhosti_jax.microbatch.MicrobatchChoice` of ``microbatch="auto"`` in the module's current mode
+        (None before its first step, or without ``"auto"``)."""
+        step = None if self._full is None else self._full["steps"].get(self.module.training)
+        return None if step is None else step.microbatch_choice
+
     def _build_full(self, full: dict[str, Any]) -> None:
-        low, loss = self._low, full["loss"]
-        params, buffers = low.params(), low.buffers()  # buffers are the module's, unchanged by the full mode
+        low = self._low
+        params, buffers = low.params(), low.buffers()
 
-        def apply_fn(p: Any, *inputs: Any, model_state: Any = None, **_: Any) -> Any:
-            return low.apply(p, buffers, *inputs)[0]
-
-        def step(state: Any, batch: Any) -> Any:
-            x, y = batch
-            value, grads = jax.value_and_grad(lambda p: loss(state.apply_fn(p, *x), y))(state.params)
-            return state.apply_gradients(grads=grads), {"loss": value}
+        def apply_fn(p: Any, *inputs: Any, model_state: Any = None, mutable: bool = False, key: Any = None) -> Any:
+            out, new = low.apply(p, buffers if model_state is None else model_state, *inputs, key=key)
+            return (out, new) if mutable else out
 
         full["state"], full["plan"] = create_train_state(
-            lambda _: params, full["tx"], self.mesh, plan=full["plan"], apply_fn=apply_fn
+            lambda _: params, full["tx"], self.mesh, plan=full["plan"], apply_fn=apply_fn, seed=full["seed"]
         )
-        full["step"] = spmd(step, mesh=self.mesh, plan=full["plan"])
+        full["state"] = full["state"].replace(model_state={n: self._replicated_value(v) for n, v in buffers.items()})
+
+    def _full_step(self, training: bool) -> SpmdStep:
+        """The full mode's `SpmdStep` for the module's mode (each traces the module in its own mode)."""
+        full = self._full
+        assert full is not None
+        if training in full["steps"]:
+            return full["steps"][training]
+        loss = full["loss"]
+        holder: list[SpmdStep] = []
+
+        def step(state: Any, batch: Any) -> Any:
+            state, key = state.next_rng()
+            k = current_microbatches()
+
+            def objective(p: Any, b: Any, mb: Any, key: Any) -> Any:
+                out, new = state.apply_fn(p, *mb[0], model_state=b, mutable=True, key=key)
+                return loss(out, mb[1]), new
+
+            grad_fn = jax.value_and_grad(objective, has_aux=True)
+            if k == 1:
+                (value, buffers), grads = grad_fn(state.params, state.model_state, batch, key)
+            else:  # microbatch i: rows i, i + k, ... (each device keeps its rows); buffers update in sequence
+                rows = NamedSharding(self.mesh, holder[0].plan.batch_spec)
+                stacked = split_microbatches(batch, k, microbatch_sharding=rows)
+
+                def body(carry: Any, xs: Any) -> Any:
+                    g_acc, l_acc, b = carry
+                    i, mb = xs
+                    (value, b), g = grad_fn(state.params, b, mb, jax.random.fold_in(key, i))
+                    g_acc = constrain_gradients(jax.tree.map(jnp.add, g_acc, g))
+                    return (g_acc, l_acc + value.astype(l_acc.dtype), b), None
+
+                zeros = constrain_gradients(jax.tree.map(jnp.zeros_like, state.params))
+                init = (zeros, jnp.zeros((), jnp.float32), state.model_state)
+                (g_sum, l_sum, buffers), _ = jax.lax.scan(body, init, (jnp.arange(k), stacked))
+                grads, value = jax.tree.map(lambda g: g / k, g_sum), l_sum / k
+            return state.apply_gradients(grads=grads).replace(model_state=buffers), {"loss": value}
+
+        holder.append(
+            spmd(
+                step,
+                mesh=self.mesh,
+                plan=full["plan"],
+                microbatch=full["microbatch"],
+                memory_budget=full["memory_budget"],
+            )
+        )
+        full["steps"][training] = holder[0]
+        return holder[0]
 
     def sync_module(self) -> None:
-        """Write the full mode's trained parameters into the torch module."""
+        """Write the full mode's trained parameters and buffers into the torch module."""
         full = self._full
         if full is None or not full["dirty"]:
             return
+        state = full["state"]
         named = dict(self.module.named_parameters())
         with torch.no_grad():
-            for n, v in full["state"].params.items():
+            for n, v in state.params.items():
                 value = multihost_utils.process_allgather(v, tiled=True) if jax.process_count() > 1 else v
                 named[n].copy_(torch.from_numpy(np.array(value)))
+        self._write_buffers(state.model_state)
         full["dirty"] = False
+
+    def load_module(self) -> None:
+        """Take the module's current parameters and buffers into the full mode's train state (the optimizer state
+        stays): after changing the module directly, e.g. ``model.module.load_state_dict(...)``."""
+        if self.full_state is not None:
+            self._take_module(params=True)
+            self._full["dirty"] = False  # type: ignore[index]
+
+    def _take_module(self, params: bool) -> None:
+        full = self._full
+        assert full is not None
+        state = full["state"]
+        buffers = {n: self._like(t, state.model_state[n]) for n, t in self._buffers_now().items()}
+        if params:
+            named = dict(self.module.named_parameters())
+            state = state.replace(params={n: self._like(named[n], v) for n, v in state.params.items()})
+        full["state"] = state.replace(model_state=buffers)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """The module's state dict (as DDP's, keys under ``module.``), the full mode's weights written back first."""
         self.sync_module()
         return super().state_dict(*args, **kwargs)
 
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Load into the module (keys under ``module.``, as `state_dict` gives them), then into the full mode's
+        train state (its optimizer state stays, as a torch optimizer's does)."""
+        result = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        self.load_module()
+        return result
+
+    def save_checkpoint(self, wait: bool = True) -> int:
+        """Save the full mode's train state into ``checkpoint_dir`` now, as the step count trained; returns it."""
+        full = self._full
+        if self.checkpoints is None or full is None or full["state"] is None:
+            raise BridgeError(
+                "save_checkpoint needs the full mode with checkpoint_dir= and at least one train_step; expected "
+                f"a train state, found {'no checkpoint_dir' if self.checkpoints is None else 'no step yet'}"
+            )
+        self.checkpoints.maybe_save(full["count"], full["state"], force=True)
+        if wait:
+            self.checkpoints.wait()
+        return full["count"]
+
+    def restore_checkpoint(self, step: int | None = None) -> int:
+        """Restore the full mode's train state from ``checkpoint_dir`` (``step``, default the latest good one) onto
+        this plan's shardings; later steps continue from it. Returns the step restored."""
+        full = self._full
+        if self.checkpoints is None or full is None:
+            raise BridgeError(
+                "restore_checkpoint needs the full mode with checkpoint_dir=: expected OptimizedDDP(module, "
+                "optimizer=..., loss_fn=..., checkpoint_dir=...), found none"
+            )
+        if full["state"] is None:
+            self._build_full(full)
+        full["state"], _, _ = self.checkpoints.restore(abstract_train_state(full["state"]), step)
+        full["count"] = int(self.checkpoints.restored_step)  # type: ignore[arg-type]
+        full["dirty"] = True
+        return full["count"]
+
+    def close(self) -> None:
+        """Wait for the checkpoint saves in flight and close the `CheckpointManager`; training may go on without
+        saving."""
+        if self.checkpoints is not None:
+            self.checkpoints.close()
+            self.checkpoints = None
+
     def _next_key(self) -> jax.Array:
         self._key, key = jax.random.split(self._key)
         return key
 
     def _replicated(self, t: torch.Tensor) -> jax.Array:
-        value = t.detach().cpu().numpy()
+        return self._replicated_value(t.detach().cpu().numpy())
+
+    def _replicated_value(self, value: Any) -> jax.Array:
+        value = np.asarray(value)
         return jax.make_array_from_callback(value.shape, NamedSharding(self.mesh, P()), lambda index: value[index])
+
+    @staticmethod
+    def _like(t: torch.Tensor, old: jax.Array) -> jax.Array:
+        """``t``'s value as an array of ``old``'s dtype and sharding (the same on every process, as DDP keeps it)."""
+        value = t.detach().cpu().numpy().astype(old.dtype)
+        return jax.make_array_from_callback(value.shape, old.sharding, lambda index: value[index])
 
     def _split(self, t: torch.Tensor) -> jax.Array:
         """This process's batch (dim 0), as its rows of the global batch over the data axis."""
