@@ -12,7 +12,15 @@ from openhosti_jax.microbatch import accumulate_gradients, find_microbatch, make
 from openhosti_jax.planner import choose_plan
 from openhosti_jax.sharding import PlanReport, ShardingPlan, place_batch
 from openhosti_jax.state import TrainState
-from openhosti_jax.train import Trainer, TrainerCheckpoint, balanced_step, create_train_state, pipeline_step, spmd
+from openhosti_jax.train import (
+    LossSpikePolicy,
+    Trainer,
+    TrainerCheckpoint,
+    balanced_step,
+    create_train_state,
+    pipeline_step,
+    spmd,
+)
 
 __version__ = "0.1.0"
 
@@ -29,6 +37,7 @@ def __getattr__(name: str) -> object:
 __all__ = [
     "ArrayDataset",
     "CheckpointManager",
+    "LossSpikePolicy",
     "MeshConfig",
     "PlanReport",
     "ShardingPlan",

@@ -5,18 +5,27 @@ from openhosti_jax.train.balanced import BalancedStep, balanced_step
 from openhosti_jax.train.create import Strategy, create_train_state, resolve_plan
 from openhosti_jax.train.metrics import MetricsLog, read_metrics
 from openhosti_jax.train.pipelined import from_model_state, pipeline_step, to_model_state
+from openhosti_jax.train.profiling import ProfileWindow
 from openhosti_jax.train.resume import TrainerCheckpoint
+from openhosti_jax.train.spikes import LossSpikePolicy
 from openhosti_jax.train.spmd import SpmdStep, spmd
 from openhosti_jax.train.trainer import FitResult, Trainer
+from openhosti_jax.train.writers import JsonlWriter, MetricWriter, TensorBoardWriter, WandbWriter
 
 __all__ = [
     "BalancedStep",
     "FitResult",
+    "JsonlWriter",
+    "LossSpikePolicy",
+    "MetricWriter",
     "MetricsLog",
+    "ProfileWindow",
     "SpmdStep",
     "Strategy",
+    "TensorBoardWriter",
     "Trainer",
     "TrainerCheckpoint",
+    "WandbWriter",
     "balanced_step",
     "create_train_state",
     "pipeline_step",
