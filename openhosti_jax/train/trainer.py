@@ -188,12 +188,13 @@ class Trainer:
                 f"{type(data).__name__} without get_state()/set_state(); pass a list, a dataset object that "
                 "iterates again, or openhosti_jax.data.ArrayDataset"
             )
-        warnings.warn(
-            f"the data ({type(data).__name__}) has no get_state()/set_state(): its position is saved as a batch "
-            "count and a resumed run skips that many batches, which is exact only if it yields the same batches "
-            "in the same order every time (give it a get_state()/set_state() to avoid the skipping)",
-            stacklevel=3,
-        )
+        if not isinstance(data, Sequence):
+            warnings.warn(
+                f"the data ({type(data).__name__}) has no get_state()/set_state(): its position is saved as a batch "
+                "count and a resumed run skips that many batches, which is exact only if it yields the same "
+                "batches in the same order every time (give it a get_state()/set_state() to avoid the skipping)",
+                stacklevel=3,
+            )
         return CountingIterator(data)
 
     # -- eval -----------------------------------------------------------------------------------------------
