@@ -76,6 +76,28 @@ def test_a_non_finite_step_is_skipped_counted_and_leaves_the_run_as_if_the_batch
     assert good == [r["loss"] for r in reference.history]
 
 
+def test_a_plain_params_opt_state_step_is_guarded_too():
+    mesh = oh.build_mesh(oh.MeshConfig(data=-1))
+    tx = optax.adam(1e-2)
+    params = {"w1": jnp.ones((D, 16)) * 0.1, "w2": jnp.ones((16, 1)) * 0.1}
+
+    @oh.spmd(mesh=mesh, plan="dp")
+    def step(state, batch):
+        p, opt = state
+        loss, g = jax.value_and_grad(lambda q: _loss(q, batch, None)[0])(p)
+        updates, opt = tx.update(g, opt, p)
+        return (optax.apply_updates(p, updates), opt), {"loss": loss}
+
+    state = (params, tx.init(params))
+    before = jax.device_get(state)
+    bad = {"x": np.full((16, D), np.nan, np.float32), "y": np.zeros(16, np.float32)}
+    after, metrics = step(state, bad)
+    assert int(metrics["skipped_nonfinite"]) == 1
+    _same_state(jax.device_get(after), before)
+    after, metrics = step(after, _batches(1)[0])
+    assert int(metrics["skipped_nonfinite"]) == 0 and int(after[1][0].count) == 1
+
+
 def test_the_guard_can_be_turned_off_and_then_nan_reaches_the_parameters():
     mesh = oh.build_mesh(oh.MeshConfig(data=-1))
     state, plan = oh.create_train_state(

@@ -44,7 +44,7 @@ from openhosti_jax.pipeline.costs import Layer
 from openhosti_jax.pipeline.executor import Batch, OutputLoss, Packing, pipelined_loss_and_grads
 from openhosti_jax.pipeline.partition import StagePartition
 from openhosti_jax.pipeline.schedule import Schedule
-from openhosti_jax.state.guard import skip_nonfinite
+from openhosti_jax.state.guard import all_finite
 
 
 class PipelineState(struct.PyTreeNode):
@@ -142,14 +142,20 @@ def make_pipeline_train_step(
     shardings = state_shardings(state, mesh)
     grad_sharding = NamedSharding(mesh, P(None, "stage", None))
 
+    def update(state: PipelineState, grads: Any) -> PipelineState:
+        updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        return state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+
     def step(state: PipelineState, batch: Batch) -> tuple[PipelineState, dict[str, jax.Array]]:
         loss, grads = run(state.params, batch)
         grads = jax.lax.with_sharding_constraint(grads, grad_sharding)
-        updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        new = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
-        return skip_nonfinite(state, new, metrics, params=lambda s: s.params) if guard else (new, metrics)
+        if not guard:
+            return update(state, grads), metrics
+        ok = all_finite((loss, grads))  # a lax.cond, so the donated state is still updated in place
+        new = jax.lax.cond(ok, update, lambda s, g: s, state, grads)
+        return new, {**metrics, "skipped_nonfinite": jnp.logical_not(ok).astype(jnp.int32)}
 
     return jax.jit(
         step,

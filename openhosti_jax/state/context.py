@@ -116,3 +116,24 @@ def marking_blocks() -> Iterator[None]:
 def blocks_marked() -> bool:
     """Whether the enclosing code asked for marked block calls (`marking_blocks`)."""
     return bool(getattr(_local, "marking_blocks", False))
+
+
+class UpdateGuard:
+    """Whether the traced step should skip non-finite updates, and whether its state's update did it itself."""
+
+    def __init__(self) -> None:
+        self.used = False
+
+
+@contextlib.contextmanager
+def guarding_updates() -> Iterator[UpdateGuard]:
+    """Within the block, `openhosti_jax.state.TrainState.apply_gradients` skips an update whose gradients are not
+    finite (a ``lax.cond`` around the update, so no second copy of the state is kept) and records that it did."""
+    guard = UpdateGuard()
+    with _setting("update_guard", guard):
+        yield guard
+
+
+def current_update_guard() -> UpdateGuard | None:
+    """The enclosing step's `UpdateGuard` (None when updates are not guarded)."""
+    return getattr(_local, "update_guard", None)

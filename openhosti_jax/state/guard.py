@@ -1,11 +1,17 @@
-"""Skip non-finite updates inside the step: a step whose loss, gradient norm or new parameters are not finite
-leaves the whole state as it was, as if its batch had never been seen.
+"""Skip non-finite updates: a step whose gradients (or loss) are not finite leaves the state as it was, as if its
+batch had never been seen.
 
-Like ``optax.apply_if_finite``, but over any state and any optimizer: the check reads the step's ``loss`` and
-``grad_norm`` metrics (scalars, free) and, when the step reports no ``grad_norm``, every new floating-point
-parameter (a NaN or Inf gradient reaches them through any optimizer). Selecting the old state restores the step
-counter, the optimizer moments and the random key too, so the next step runs exactly as it would have without the
-bad batch. The metrics gain ``skipped_nonfinite`` (1 for a skipped step, else 0).
+Two ways, chosen by the ``@spmd`` core (`openhosti_jax.state.jit.jit_step`):
+
+- the library's `TrainState` guards its own update: ``apply_gradients`` runs the optimizer under a ``lax.cond`` on
+  the gradients' finiteness, so the donated state is still updated in place (no second copy of it is kept); then
+  `after_guarded_update` also restores the random key and the model state (batch statistics) of a skipped step;
+- any other state (a ``(params, opt_state)`` tuple, flax's TrainState, an ``nnx.Optimizer``) gets `skip_nonfinite`:
+  the step's ``loss`` and ``grad_norm`` metrics (and, without ``grad_norm``, every new parameter: a NaN gradient
+  reaches them through any optimizer) decide, and a select keeps the old state. That select keeps the old and the
+  new state alive together, so it costs temporaries of about the parameters' size.
+
+Either way the metrics gain ``skipped_nonfinite`` (1 for a skipped step, else 0).
 
 Example:
     >>> import jax.numpy as jnp
@@ -29,30 +35,41 @@ CHECKED_METRICS = ("loss", "grad_norm")
 """The metrics whose finiteness decides a step (when the step reports them)."""
 
 
-def _all_finite(x: Any) -> jax.Array:
-    return jnp.all(jnp.isfinite(x))
+def _inexact(x: Any) -> bool:
+    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def all_finite(tree: Any) -> jax.Array:
+    """True when every floating-point value in ``tree`` is finite (a traced scalar bool)."""
+    checks = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if _inexact(x)]
+    return jnp.all(jnp.stack(checks)) if checks else jnp.bool_(True)
+
+
+def _with_flag(metrics: Any, skipped: jax.Array) -> Any:
+    if isinstance(metrics, dict):
+        return {**metrics, "skipped_nonfinite": skipped.astype(jnp.int32)}
+    return metrics
 
 
 def skip_nonfinite(old: Any, new: Any, metrics: Any, *, params: Callable[[Any], Any]) -> tuple[Any, Any]:
     """(``new`` where the step is finite, else ``old``; metrics with ``skipped_nonfinite`` when they are a dict).
 
     ``params(state)`` gives the parameters inside a state; they are checked only when ``metrics`` has no
-    ``grad_norm``. Traced inside the jitted step: the select fuses with the update, the check is a reduction.
+    ``grad_norm``. Traced inside the jitted step.
     """
     named = metrics if isinstance(metrics, dict) else {}
-    checks = [
-        _all_finite(named[k])
-        for k in CHECKED_METRICS
-        if k in named and jnp.issubdtype(jnp.result_type(named[k]), jnp.inexact)
-    ]
+    checked = {k: named[k] for k in CHECKED_METRICS if k in named}
     if "grad_norm" not in named:
-        checks += [
-            _all_finite(p) for p in jax.tree.leaves(params(new)) if jnp.issubdtype(jnp.result_type(p), jnp.inexact)
-        ]
-    if not checks:
-        return new, metrics
-    ok = jnp.all(jnp.stack(checks))
+        checked["params"] = params(new)
+    ok = all_finite(checked)
     state = jax.tree.map(lambda n, o: jax.lax.select(ok, n, o), new, old)
-    if isinstance(metrics, dict):
-        metrics = {**metrics, "skipped_nonfinite": jnp.logical_not(ok).astype(jnp.int32)}
-    return state, metrics
+    return state, _with_flag(metrics, jnp.logical_not(ok))
+
+
+def after_guarded_update(old: Any, new: Any, metrics: Any) -> tuple[Any, Any]:
+    """For a `TrainState` whose ``apply_gradients`` skipped a non-finite update (its ``step`` did not advance):
+    the old random key and model state back, and ``skipped_nonfinite`` in the metrics."""
+    skipped = new.step == old.step
+    back = lambda n, o: jax.lax.select(skipped, o, n)  # noqa: E731
+    new = new.replace(rng=back(new.rng, old.rng), model_state=jax.tree.map(back, new.model_state, old.model_state))
+    return new, _with_flag(metrics, skipped)

@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import jax
@@ -27,11 +28,18 @@ from jax.sharding import PartitionSpec as P
 from openhosti_jax.errors import StateError
 from openhosti_jax.policies.precision import precision
 from openhosti_jax.sharding.plan import ShardingPlan
-from openhosti_jax.state.context import active_gradient_shardings, active_microbatches, active_policies
+from openhosti_jax.state.context import (
+    active_gradient_shardings,
+    active_microbatches,
+    active_policies,
+    guarding_updates,
+)
 from openhosti_jax.state.contracts import StepFn
-from openhosti_jax.state.guard import skip_nonfinite as guard
+from openhosti_jax.state.guard import after_guarded_update
+from openhosti_jax.state.guard import skip_nonfinite as select_finite
 from openhosti_jax.state.init import state_specs
 from openhosti_jax.state.layout import StateLayout, find_layout
+from openhosti_jax.state.train_state import TrainState
 
 
 def jit_step(
@@ -49,8 +57,9 @@ def jit_step(
     """(``fn`` jitted with the plan's in/out shardings for arguments shaped like ``state`` and ``batch``, the
     state's shardings). Metrics come back replicated. ``num_microbatches`` defaults to the plan's; ``layout``
     (default: found) says where the state keeps its parameters and optimizer state. ``skip_nonfinite`` keeps the
-    old state when the step's loss, gradient norm or new parameters are not finite
-    (`openhosti_jax.state.guard`), except under a loss-scaling precision, whose optimizer skips those steps itself."""
+    old state when the step's gradients (or loss) are not finite (`openhosti_jax.state.guard`: inside
+    `TrainState.apply_gradients` when the state is one, else by a select after the step), except under a
+    loss-scaling precision, whose optimizer skips those steps itself."""
     k = num_microbatches or plan.num_microbatches
     layout = layout if layout is not None else find_layout(state)
     guarded = skip_nonfinite and not precision(plan.precision).loss_scaling
@@ -63,6 +72,7 @@ def jit_step(
             active_gradient_shardings(grad_sh),
             active_microbatches(k) as count,
             active_policies(plan.remat, plan.precision) as policies,
+            guarding_updates() if guarded else contextlib.nullcontext() as update_guard,
         ):
             out = fn(s, b)
         if precision(plan.precision).loss_scaling and not policies.loss_scaled:
@@ -87,7 +97,11 @@ def jit_step(
                 "openhosti_jax.state.context.current_microbatches() in it, or drop microbatch="
             )
         check_step_output(s, out)
-        return guard(s, *out, params=layout.params) if guarded else out
+        if not guarded:
+            return out
+        if update_guard.used and isinstance(out[0], TrainState) and isinstance(s, TrainState):
+            return after_guarded_update(s, *out)
+        return select_finite(s, *out, params=layout.params)
 
     jitted = jax.jit(
         traced,

@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh
@@ -29,7 +30,7 @@ from openhosti_jax.balance import Balancer
 from openhosti_jax.errors import BatchError, ShardingError, StateError
 from openhosti_jax.sharding.plan import ShardingPlan
 from openhosti_jax.state.contracts import LossFn
-from openhosti_jax.state.guard import skip_nonfinite
+from openhosti_jax.state.guard import all_finite
 from openhosti_jax.state.train_state import TrainState
 
 
@@ -57,9 +58,18 @@ class BalancedStep:
         self._next_rng = jax.jit(lambda s: s.next_rng())
 
         def apply(s: TrainState, grads: Any, loss: jax.Array, old_rng: jax.Array) -> tuple[TrainState, Any]:
-            new = s.apply_gradients(grads=jax.lax.with_sharding_constraint(grads, sh))
-            checked = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
-            return skip_nonfinite(s.replace(rng=old_rng), new, checked, params=lambda t: t.params)
+            ok = all_finite((loss, grads))  # a skipped step keeps the state, its key included, as it was
+            new = jax.lax.cond(
+                ok,
+                lambda t, g: t.apply_gradients(grads=jax.lax.with_sharding_constraint(g, sh)),
+                lambda t, g: t.replace(rng=old_rng),
+                s,
+                grads,
+            )
+            return new, {
+                "grad_norm": optax.tree.norm(grads),
+                "skipped_nonfinite": jnp.logical_not(ok).astype(jnp.int32),
+            }
 
         self._apply = jax.jit(apply, donate_argnums=0)
 
