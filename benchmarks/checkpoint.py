@@ -1,11 +1,17 @@
-"""Checkpoint benchmark: caller-blocking time of an async save vs a synchronous save, and step slowdown.
+"""Checkpoint benchmark: caller-blocking time of an async save vs a synchronous save, the cost of checksums
+on save and on restore, and the training-step slowdown while a save runs in the background.
 
 State: 1 GiB of random float32 (8 arrays of 8192 x 4096), FSDP-sharded over 8 simulated CPU devices.
-  sync   : `CheckpointManager(async_save=False).maybe_save` -- returns once Orbax has committed the step
+  sync   : `CheckpointManager(async_save=False).maybe_save` -- returns once Orbax has committed the step;
+           the `wait()` after it is the checksumming of the committed files (hurried, all threads)
   async  : `CheckpointManager().maybe_save` -- returns once Orbax has copied the arrays off the devices
-Sync and async saves alternate, ``REPS`` each; medians. Then a small jitted training step (matmuls over a
-sharded batch) is timed alone and while an async save of the 1 GiB state runs in the background (steps taken
-between the save call's return and the commit), alternating, ``REPS`` rounds; medians of per-step times.
+  restore: `restore(verify=True)` (checksums of the files read, then the read) vs `restore(verify=False)`
+Sync and async saves alternate, ``REPS`` each, then verified and plain restores alternate, ``REPS`` each;
+medians. Then a small jitted training step (matmuls over a sharded batch) is timed alone and while an async
+save of the 1 GiB state runs in the background (steps taken between the save call's return and the step
+counting as good: write, commit and paced checksums), ``BASE_STEPS`` alone around each of ``BG_ROUNDS``
+saves (half before, half after, so that a change in the machine's other load hits both); medians of per-step
+times.
 
 On this machine the 8 "devices" and the background writer share 2 CPU cores (and other users' load), so the
 background write takes compute from the step; on accelerators the write runs on host cores the step does not use.
@@ -33,6 +39,8 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec  # noqa: E402
 from openhosti_jax.checkpoint import CheckpointManager  # noqa: E402
 
 REPS = 5
+BG_ROUNDS = 3  # background-save rounds; each times every step during one save and BASE_STEPS steps around it
+BASE_STEPS = 40
 ARRAYS, ROWS, COLS = 8, 8192, 4096  # 8 x 128 MiB = 1 GiB
 
 
@@ -73,6 +81,22 @@ def timed_save(directory, state, step, async_save):
     return blocking, total
 
 
+def timed_restores(directory, state, reps):
+    """(verified, plain) restore times of the step in ``directory``, alternating, ``reps`` each."""
+    abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in state.items()}
+    verified, plain = [], []
+    with CheckpointManager(directory, every_minutes=None, keep=1) as ckpt:
+        jax.block_until_ready(ckpt.restore(abstract, verify=False)[0])  # warm-up
+        for _ in range(reps):
+            for verify, out in ((True, verified), (False, plain)):
+                t0 = time.perf_counter()
+                restored, _, _ = ckpt.restore(abstract, verify=verify)
+                jax.block_until_ready(restored)
+                out.append(time.perf_counter() - t0)
+                del restored
+    return verified, plain
+
+
 def steps_while(fn, w, x, until):
     """Per-step times of ``fn`` while ``until()`` is False (at least 3 steps)."""
     times = []
@@ -106,11 +130,14 @@ def main():
                 blocking, total = timed_save(d, state, r + 1, mode == "async")
                 (async_block if mode == "async" else sync_block).append(blocking)
                 (async_total if mode == "async" else sync_total).append(total)
+                if mode == "sync" and r == REPS - 1:
+                    verified, plain = timed_restores(d, state, REPS)
                 shutil.rmtree(d)
         step, w, x = make_step(mesh)
         base, during = [], []
-        for r in range(REPS):
+        for r in range(BG_ROUNDS):
             d = os.path.join(root, f"bg{r}")
+            base += steps_n(step, w, x, BASE_STEPS // 2)  # no save running, just before and just after
             with CheckpointManager(d, every_minutes=None, keep=1) as ckpt:
                 ckpt.maybe_save(r + 1, state, force=True)
                 done = []
@@ -121,26 +148,31 @@ def main():
                         done.append(True)
                     return bool(done)
 
-                times = steps_while(step, w, x, finished)
-                during += times
-                n_during = len(times)
+                during += steps_while(step, w, x, finished)
             shutil.rmtree(d)
-            base += steps_n(step, w, x, n_during)  # as many steps again, no save running
+            base += steps_n(step, w, x, BASE_STEPS // 2)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     med = statistics.median
+    checksum = [total - blocking for total, blocking in zip(sync_total, sync_block, strict=True)]
     out = {
         "state_gib": round(gib, 3),
         "async_blocking_over_sync_save": med(async_block) / med(sync_block),
         "step_slowdown_during_save": med(during) / med(base) - 1.0,
+        "checksum_seconds_over_save_seconds": med(checksum) / med(sync_block),
+        "restore_verify_over_restore": med(verified) / med(plain),
         "async_blocking_s": med(async_block),
         "sync_save_s": med(sync_block),
         "sync_save_with_checksums_s": med(sync_total),
+        "checksum_s": med(checksum),
+        "restore_verified_s": med(verified),
+        "restore_plain_s": med(plain),
         "async_save_total_s": med(async_total),
         "step_s_without_save": med(base),
         "step_s_during_save": med(during),
         "steps_timed_during_save": len(during),
         "reps": REPS,
+        "background_rounds": BG_ROUNDS,
     }
     print(json.dumps(out))
 

@@ -54,6 +54,10 @@ class CheckpointCorruptError(CheckpointError):
     """A checkpoint's stored bytes do not match the checksums written at save time."""
 
 
+class CheckpointMismatchError(CheckpointError):
+    """A checkpoint's leaves (names, shapes, dtypes) differ from the state being restored; nothing is corrupt."""
+
+
 class DistributedError(OpenhostiError, RuntimeError):
     """Multi-process initialisation, barrier or collective failed or timed out."""
 
@@ -81,6 +85,7 @@ __all__ = [
     "BalanceError",
     "CheckpointError",
     "CheckpointCorruptError",
+    "CheckpointMismatchError",
     "DistributedError",
     "BridgeError",
     "StateError",

@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from openhosti_jax.checkpoint import CheckpointManager
-from openhosti_jax.checkpoint.checksums import CHECKSUM_FILE
+from openhosti_jax.checkpoint.checksums import record_files
 from openhosti_jax.errors import CheckpointCorruptError
 
 
@@ -64,7 +64,8 @@ def _damage(path: pathlib.Path, mode: str, rs: np.random.Generator) -> None:
 
 def _expected_name(rel: pathlib.Path) -> str:
     parts = rel.parts
-    return f"array '{parts[1]}'" if parts[0] == "state" and len(parts) > 2 else f"file '{rel.as_posix()}'"
+    is_array = parts[0] == "state" and len(parts) > 2 and parts[1] != "array_metadatas"
+    return f"array '{parts[1]}'" if is_array else f"file '{rel.as_posix()}'"
 
 
 @pytest.mark.timeout(180)
@@ -122,7 +123,8 @@ def test_all_steps_corrupt_raises_naming_each_array(two_steps):
 
 @pytest.mark.timeout(120)
 def test_a_step_without_its_checksum_record_is_not_good(two_steps):
-    (two_steps / "2" / CHECKSUM_FILE).unlink()
+    (record,) = record_files(two_steps / "2")  # one process: one record
+    record.unlink()
     with CheckpointManager(two_steps, every_minutes=None) as ckpt:
         assert ckpt.good_steps() == [1]
         restored, _, _ = ckpt.restore(_abstract(_state(1)))
@@ -131,3 +133,26 @@ def test_a_step_without_its_checksum_record_is_not_good(two_steps):
         ckpt.wait()
         assert ckpt.good_steps() == [1, 2] and ckpt.verify(2) == []
     shutil.rmtree(two_steps)
+
+
+@pytest.mark.parametrize("algorithm", ["crc32", "crc32c"])
+def test_each_record_verifies_with_the_algorithm_it_names(tmp_path, monkeypatch, algorithm):
+    import zlib
+
+    import google_crc32c
+
+    from openhosti_jax.checkpoint import checksums
+
+    monkeypatch.setattr(checksums, "ALGORITHM", algorithm)
+    step = tmp_path / "7"
+    (step / "state" / "w").mkdir(parents=True)
+    payload = bytes(range(256)) * 4096
+    (step / "state" / "w" / "0").write_bytes(payload)
+    record = checksums.record_checksums(step)
+    expected = zlib.crc32(payload) if algorithm == "crc32" else google_crc32c.value(payload)
+    assert record == {"state/w/0": [len(payload), expected]}
+    monkeypatch.setattr(checksums, "ALGORITHM", "crc32c" if algorithm == "crc32" else "crc32")  # a newer writer
+    assert checksums.verify_checksums(step) == []
+    (step / "state" / "w" / "0").write_bytes(payload[:-1] + b"\x00")
+    (problem,) = checksums.verify_checksums(step)
+    assert f"has checksum {algorithm}" in problem and "array 'w'" in problem

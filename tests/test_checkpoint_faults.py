@@ -57,11 +57,10 @@ def _check(directory: pathlib.Path) -> tuple[int, bool]:
     import jax
 
     from openhosti_jax.checkpoint import CheckpointManager
+    from openhosti_jax.checkpoint.checksums import has_checksums
 
     names = [p.name for p in directory.iterdir()]
-    partial = any(not n.isdigit() for n in names) or any(
-        not (directory / n / "openhosti_checksums.json").exists() for n in names if n.isdigit()
-    )
+    partial = any(not n.isdigit() for n in names) or any(not has_checksums(directory / n) for n in names if n.isdigit())
     with CheckpointManager(directory, every_minutes=None) as ckpt:
         good = ckpt.good_steps()
         assert good and all(str(s) in names for s in good)  # never a temporary folder

@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from openhosti_jax.checkpoint import CheckpointManager, SavePolicy
-from openhosti_jax.errors import BatchError, CheckpointError
+from openhosti_jax.errors import BatchError, CheckpointError, CheckpointMismatchError
 from openhosti_jax.state import TrainState
 
 
@@ -192,5 +192,5 @@ def test_bad_inputs_raise_typed_errors(tmp_path):
         ckpt.wait()
         with pytest.raises(CheckpointError, match="with a sharding"):
             ckpt.restore({"x": jax.ShapeDtypeStruct((3,), jnp.float32)})
-        with pytest.raises(CheckpointError, match=r"missing in the checkpoint \['y'\]"):
+        with pytest.raises(CheckpointMismatchError, match=r"added .*\['y'\]"):
             ckpt.restore({"x": state["x"], "y": state["x"]})

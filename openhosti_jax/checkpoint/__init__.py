@@ -1,5 +1,6 @@
-"""Checkpoints: async Orbax saves on a schedule and on preemption, per-array checksums, restore onto any mesh,
-replication to a second location, and a supervisor that restarts a crashed run."""
+"""Checkpoints: async Orbax saves on a schedule and on preemption, checksums of every file (each process those
+it wrote), restore onto any mesh that tells a changed model (`CheckpointMismatchError`) from damaged files
+(`CheckpointCorruptError`), replication to a second location, and a supervisor that restarts a crashed run."""
 
 from openhosti_jax.checkpoint.manager import CheckpointManager
 from openhosti_jax.checkpoint.policy import SavePolicy

@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -96,11 +97,78 @@ def unflatten_state(abstract_state: Any, flat: dict[str, Any], key_impls: dict[s
     return jax.tree.unflatten(jax.tree.structure(abstract_state), leaves)
 
 
-def check_same_leaves(saved: list[str], wanted: list[str], step: int) -> None:
-    """Raise `CheckpointError` listing the leaves only one side has."""
-    missing, extra = sorted(set(wanted) - set(saved)), sorted(set(saved) - set(wanted))
-    if missing or extra:
-        raise CheckpointError(
-            f"checkpoint step {step} does not match abstract_state: missing in the checkpoint {missing}, "
-            f"only in the checkpoint {extra}; restore with the same model and optimizer structure"
-        )
+Spec = tuple[tuple[int, ...], str, bool]
+"""A stored leaf: (shape, dtype name, whether it is a typed PRNG key), in `flatten_state`'s stored form."""
+
+
+def stored_specs(flat: dict[str, Any]) -> dict[str, list[Any]]:
+    """``{name: [shape, dtype name]}`` of `flatten_state`'s output (JSON), to save with the checkpoint."""
+    return {name: [list(np.shape(x)), np.dtype(x.dtype).name] for name, x in flat.items()}
+
+
+def saved_specs(stored: dict[str, list[Any]], key_impls: dict[str, str]) -> dict[str, Spec]:
+    """The `Spec` of every saved leaf, from `stored_specs`' JSON and the saved typed-key names."""
+    return {name: (tuple(shape), str(dtype), name in key_impls) for name, (shape, dtype) in stored.items()}
+
+
+def target_specs(abstract_state: Any, target: dict[str, jax.ShapeDtypeStruct]) -> dict[str, Spec]:
+    """The `Spec` of every leaf `abstract_flat` made of ``abstract_state``."""
+    keys = {n for n, x in zip(leaf_names(abstract_state), jax.tree.leaves(abstract_state), strict=True) if _is_key(x)}
+    return {n: (tuple(x.shape), np.dtype(x.dtype).name, n in keys) for n, x in target.items()}
+
+
+def _fmt(spec: Spec) -> str:
+    shape, dtype, key = spec
+    return f"{dtype}[{','.join(str(d) for d in shape)}]" + (" (typed PRNG key data)" if key else "")
+
+
+@dataclass(frozen=True)
+class LeafDiff:
+    """How a checkpoint's leaves differ from the state being restored (names as the checkpoint stores them)."""
+
+    changed: tuple[str, ...] = ()
+    """``name: saved <spec>, wanted <spec>`` for every leaf both have with another shape, dtype or key-ness."""
+    added: tuple[str, ...] = ()
+    """Leaves of the state being restored that the checkpoint lacks."""
+    removed: tuple[str, ...] = ()
+    """Leaves of the checkpoint that the state being restored lacks."""
+    renamed: tuple[str, ...] = ()
+    """``old -> new`` hints: a removed and an added leaf of the same shape and dtype."""
+
+    def __bool__(self) -> bool:
+        return bool(self.changed or self.added or self.removed)
+
+    def blocks(self, partial: bool) -> bool:
+        """Whether a restore cannot go ahead (with ``partial``, added and removed leaves do not block)."""
+        return bool(self.changed) or (not partial and bool(self.added or self.removed))
+
+    def describe(self) -> str:
+        """One line per difference."""
+        lines = [f"  {c}" for c in self.changed]
+        if self.added:
+            lines.append(f"  added (in the state being restored, not in the checkpoint): {list(self.added)}")
+        if self.removed:
+            lines.append(f"  missing (in the checkpoint, not in the state being restored): {list(self.removed)}")
+        lines += [f"  renamed? {r} (same shape and dtype)" for r in self.renamed]
+        return "\n".join(lines)
+
+
+def diff_leaves(saved: dict[str, Spec], wanted: dict[str, Spec]) -> LeafDiff:
+    """Compare a checkpoint's leaf specs (``saved``) with the restore target's (``wanted``).
+
+    Example:
+        >>> from openhosti_jax.checkpoint.flat import diff_leaves
+        >>> d = diff_leaves({"w": ((2,), "float32", False), "a": ((3,), "int32", False)},
+        ...                 {"w": ((4,), "float32", False), "b": ((3,), "int32", False)})
+        >>> d.changed, d.added, d.removed, d.renamed
+        (('w: saved float32[2], wanted float32[4]',), ('b',), ('a',), ('a -> b',))
+    """
+    both = sorted(set(saved) & set(wanted))
+    changed = tuple(f"{n}: saved {_fmt(saved[n])}, wanted {_fmt(wanted[n])}" for n in both if saved[n] != wanted[n])
+    added, removed = sorted(set(wanted) - set(saved)), sorted(set(saved) - set(wanted))
+    renamed = []
+    for old in removed:
+        same = [new for new in added if wanted[new] == saved[old]]
+        if len(same) == 1:
+            renamed.append(f"{old} -> {same[0]}")
+    return LeafDiff(changed, tuple(added), tuple(removed), tuple(renamed))

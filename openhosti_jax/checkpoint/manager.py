@@ -2,10 +2,17 @@
 
 A step holds three Orbax items: ``state`` (the training state as named arrays, typed PRNG keys as key data),
 ``data`` (the data iterator's JSON state) and ``meta`` (the caller's JSON metadata, e.g. the plan, plus the
-mesh shape and leaf names). `maybe_save` blocks only while Orbax copies the arrays off the devices; the write,
-the commit, the per-file checksums (`openhosti_jax.checkpoint.checksums`) and the optional copy to
-``replicate_to`` run in the background. A step counts as *good* once its checksum record exists. `restore`
-verifies the checksums before reading, names every bad array, and falls back to the previous good step.
+mesh shape, leaf names, shapes and dtypes). `maybe_save` blocks only while Orbax copies the arrays off the
+devices; the write, the commit, the checksums (`openhosti_jax.checkpoint.checksums`: each process checksums
+the files it wrote, paced to leave the CPU to training) and the optional copy to ``replicate_to`` run in the
+background. A step counts as *good* once every process's checksum record exists.
+
+`restore` first compares the step's leaves with the state being restored: a changed shape or dtype, an added,
+missing or renamed leaf is a `CheckpointMismatchError` listing every difference (older steps are not tried:
+they were written by the same code). Then each process verifies the files it reads (in threads, while Orbax
+reads them) and the processes agree on the outcome: a damaged step is skipped with a warning naming the bad
+arrays and the previous good step is tried (`CheckpointCorruptError` if none verifies). No step at all is a
+plain `CheckpointError` naming the directory.
 
 Example:
     >>> import tempfile, jax, jax.numpy as jnp
@@ -33,19 +40,49 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 from jax.sharding import NamedSharding
 
-from openhosti_jax.checkpoint.checksums import CHECKSUM_FILE, has_checksums, record_checksums, verify_checksums
-from openhosti_jax.checkpoint.flat import abstract_flat, check_same_leaves, flatten_state, unflatten_state
+from openhosti_jax.checkpoint.checksums import (
+    check_sizes,
+    default_threads,
+    files_read_by,
+    files_written_by,
+    has_checksums,
+    item_files,
+    load_records,
+    missing_records,
+    record_checksums,
+    record_files,
+    verify_checksums,
+)
+from openhosti_jax.checkpoint.flat import (
+    LeafDiff,
+    Spec,
+    abstract_flat,
+    diff_leaves,
+    flatten_state,
+    leaf_names,
+    saved_specs,
+    stored_specs,
+    target_specs,
+    unflatten_state,
+)
 from openhosti_jax.checkpoint.policy import SavePolicy
 from openhosti_jax.checkpoint.replicate import replica_steps, replicate_step
 from openhosti_jax.data.protocol import check_json_state
-from openhosti_jax.errors import CheckpointCorruptError, CheckpointError
+from openhosti_jax.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 
 _POLL_S = 0.02
-_IDLE_PER_BUSY = 3.0
+_IDLE_PER_BUSY = 9.0
+"""Background checksumming sleeps this long per second of work: at most a tenth of a core beside training."""
+_SMALL_FILE = 1 << 16
+"""Files up to this size are verified before Orbax reads the step; larger ones while it reads."""
+_RECORDS_TIMEOUT_S = 600.0
+"""How long process 0 waits for the other processes' checksum records of a step before giving up on it."""
 
 
 def _orbax_manager(directory: epath.Path, *, async_save: bool, read_only: bool) -> Any:
@@ -71,6 +108,41 @@ def _good_steps(root: epath.Path) -> list[int]:
     if not root.exists():
         return []
     return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit() and has_checksums(p))
+
+
+def _read_meta(reader: Any, step: int) -> dict[str, Any]:
+    return reader.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+
+def _saved(step_dir: epath.Path, info: dict[str, Any]) -> dict[str, Spec]:
+    """The specs of a step's saved leaves: from its meta, or (saved before they were recorded) its ``.zarray``."""
+    if "shapes" in info:
+        return saved_specs(info["shapes"], info["key_impls"])
+    stored = {}
+    for name in info["leaves"]:
+        zarray = json.loads((step_dir / "state" / name / ".zarray").read_text())
+        stored[name] = [zarray["shape"], np.dtype(jnp.dtype(zarray["dtype"])).name]
+    return saved_specs(stored, info["key_impls"])
+
+
+def _agree(problems: list[str]) -> list[str]:
+    """Every process's problems (each process checked the files it reads), on every process, so that all of
+    them restore the same step or fall back together."""
+    if jax.process_count() == 1:
+        return problems
+    from jax.experimental import multihost_utils
+
+    mine = np.frombuffer(json.dumps(problems).encode(), np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.array([mine.size], np.int32))).reshape(-1)
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[: mine.size] = mine
+    rows = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(sizes), -1)
+    found: dict[str, list[int]] = {}  # problem -> the processes that found it, in order of first report
+    for p, (row, n) in enumerate(zip(rows, sizes, strict=True)):
+        for problem in json.loads(bytes(row[: int(n)]).decode()):
+            found.setdefault(problem, []).append(p)
+    me = jax.process_index()
+    return [x if me in ps else f"{x} (found by process {', '.join(map(str, ps))})" for x, ps in found.items()]
 
 
 def _mesh_shape(state: Any) -> dict[str, int] | None:
@@ -107,6 +179,8 @@ class CheckpointManager:
         self._mgr = _orbax_manager(self.directory, async_save=async_save, read_only=False)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="openhosti-checkpoint")
         self._pending: list[Future[None]] = []
+        self._threads = default_threads()
+        self._verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="openhosti-verify")
         self._started: set[int] = set()
         self._hurry = threading.Event()
         self._last_save = time.monotonic()
@@ -149,9 +223,12 @@ class CheckpointManager:
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"expected meta to be a JSON-able dict, found {meta!r}: {e}") from e
         flat, key_impls = flatten_state(state)
+        # who writes which chunk file follows from each array's sharding (see checksums.files_written_by)
+        arrays = {name: (tuple(x.shape), x.sharding) for name, x in flat.items() if isinstance(x, jax.Array)}
         info = {
             "step": step,
             "leaves": sorted(flat),
+            "shapes": stored_specs(flat),
             "key_impls": key_impls,
             "mesh": _mesh_shape(state),
             "device_count": jax.device_count(),
@@ -166,22 +243,34 @@ class CheckpointManager:
         self._mgr.save(step, args=args, force=True)
         self._started.add(step)
         self._last_save = time.monotonic()
-        self._pending.append(self._worker.submit(self._finish, step))
+        self._pending.append(self._worker.submit(self._finish, step, arrays))
         if signalled:
             self.wait()
             self._signal, self.preempted = None, True
         return True
 
-    def _finish(self, step: int) -> None:
-        """Background: wait for the commit, write the checksum record, copy to the replica."""
+    def _finish(self, step: int, arrays: dict[str, tuple[tuple[int, ...], Any]]) -> None:
+        """Background: wait for the commit, checksum this process's files; process 0 then waits for every
+        process's record and copies the step to the replica."""
         path = self.directory / str(step)
         while not path.exists():
             if not self._mgr.is_saving_in_progress() and not path.exists():
                 return  # the save failed; Orbax reports it from wait()
             time.sleep(_POLL_S)
-        if jax.process_index() != 0:
+        me, count = jax.process_index(), jax.process_count()
+        files = files_written_by(path, arrays, me)
+        record_checksums(path, files, process=me, process_count=count, pace=self._pace, threads=self._threads)
+        if me != 0:
             return
-        record_checksums(path, self._pace)
+        deadline = time.monotonic() + _RECORDS_TIMEOUT_S
+        while not has_checksums(path):
+            if time.monotonic() > deadline:
+                raise CheckpointError(
+                    f"expected the checksum records of all {count} processes in {path} within "
+                    f"{_RECORDS_TIMEOUT_S:.0f} s, found none from processes {missing_records(path, count)}; "
+                    "the step does not count as good: check that every process calls maybe_save and wait"
+                )
+            time.sleep(_POLL_S)
         if self.replicate_to is not None:
             replicate_step(path, self.replicate_to, keep=self.policy.keep)
         self._rotate()
@@ -189,7 +278,7 @@ class CheckpointManager:
     def _rotate(self) -> None:
         """Keep the newest ``keep`` good steps; drop older ones and dead (never checksummed) older folders.
 
-        The checksum record goes first, so a kill in the middle leaves a folder that is not good, never a good
+        The checksum records go first, so a kill in the middle leaves a folder that is not good, never a good
         step with missing files.
         """
         good = _good_steps(self.directory)
@@ -203,12 +292,14 @@ class CheckpointManager:
         }
         for step in sorted(drop):
             path = self.directory / str(step)
-            (path / CHECKSUM_FILE).unlink(missing_ok=True)
+            for record in record_files(path):
+                record.unlink(missing_ok=True)
             path.rmtree(missing_ok=True)
 
     def _pace(self, busy_s: float) -> None:
-        """Background checksumming uses at most 1/(1+_IDLE_PER_BUSY) of a core, unless `wait` is hurrying it."""
-        self._hurry.wait(timeout=_IDLE_PER_BUSY * busy_s)
+        """Background checksumming (all its threads together) uses about 1/_IDLE_PER_BUSY of a core, unless
+        `wait` is hurrying it."""
+        self._hurry.wait(timeout=_IDLE_PER_BUSY * self._threads * busy_s)
 
     def due(self, step: int) -> bool:
         """Whether `maybe_save` would save ``step`` now: the policy's schedule or a signal says so (a step already
@@ -219,7 +310,7 @@ class CheckpointManager:
         return step not in self._started and step not in _good_steps(self.directory)
 
     def wait(self) -> None:
-        """Block until every started save is committed, checksummed and replicated."""
+        """Block until every started save is committed, checksummed (process 0: by every process) and replicated."""
         self._hurry.set()
         try:
             self._mgr.wait_until_finished()
@@ -257,70 +348,231 @@ class CheckpointManager:
         return steps[-1] if steps else None
 
     def verify(self, step: int) -> list[str]:
-        """Every problem of ``step``'s files against its checksums (empty: intact), naming each bad array."""
-        return verify_checksums(self.directory / str(int(step)))
+        """Every problem of ``step``'s files against its checksums (empty: intact), naming each bad array.
 
-    def restore(self, abstract_state: Any, step: int | None = None) -> tuple[Any, dict[str, Any] | None, dict]:
-        """(state, data_state, meta) of ``step`` or of the newest step that verifies.
+        Checks every file of the step (all processes' records), ``threads`` files at a time.
+        """
+        return verify_checksums(self.directory / str(int(step)), threads=self._threads)
 
-        ``abstract_state`` is a pytree of `jax.ShapeDtypeStruct` with the shardings to restore onto (any mesh
-        or device count). Without ``step``, a corrupt step is skipped with a warning naming the bad arrays;
-        then the replica is tried. Raises `CheckpointCorruptError` if nothing verifies, `CheckpointError` if
-        there is no step at all or the tree does not match.
+    def restore(
+        self, abstract_state: Any, step: int | None = None, *, partial: bool = False, verify: bool = True
+    ) -> tuple[Any, dict[str, Any] | None, dict]:
+        """(state, data_state, meta) of ``step`` or of the newest good step that verifies.
+
+        ``abstract_state`` is a pytree of `jax.ShapeDtypeStruct` or arrays with the shardings to restore onto
+        (any mesh or device count). Its leaves must match the checkpoint's (names, shapes, dtypes), else
+        `CheckpointMismatchError` lists every difference. With ``partial=True`` the leaves the checkpoint lacks
+        keep the values passed in (so give concrete arrays for them, e.g. the freshly initialised state) and
+        the checkpoint's leaves the state lacks are not read; a changed shape or dtype still raises.
+
+        Each process verifies the files it reads against the checksums, in threads while Orbax reads them; the
+        state is returned once both are done and every process found its files intact (``verify=False`` skips
+        the checksums, e.g. to time the read alone).
+        Without ``step``, a corrupt step is skipped with a warning naming the bad arrays; then the replica is
+        tried. Raises `CheckpointCorruptError` if nothing verifies, `CheckpointError` if there is no step.
         """
         target = abstract_flat(abstract_state)
+        wanted = target_specs(abstract_state, target)
+        concrete = {
+            n: x
+            for n, x in zip(leaf_names(abstract_state), jax.tree.leaves(abstract_state), strict=True)
+            if isinstance(x, jax.Array)
+        }
         if step is not None and not (self.directory / str(int(step))).exists():
             raise CheckpointError(
-                f"no checkpoint step {step} in {self.directory}; committed and checksummed: {self.good_steps()}"
+                f"expected checkpoint step {step} in {self.directory}, found no such folder; committed and "
+                f"checksummed steps there: {self.good_steps()}"
             )
         roots = [(self.directory, self._mgr)]
         if self.replicate_to is not None and step is None:
             roots.append((self.replicate_to, None))
+        plan = [(root, mgr, [int(step)] if step is not None else _good_steps(root)[::-1]) for root, mgr in roots]
+        if not any(steps for _, _, steps in plan):
+            raise CheckpointError(self._nothing_to_restore())
         failures: list[str] = []
-        tried = False
-        for root, mgr in roots:
-            candidates = [int(step)] if step is not None else _good_steps(root)[::-1]
-            for s in candidates:
-                tried = True
-                problems = verify_checksums(root / str(s))
-                if not problems:
-                    reader = mgr or _orbax_manager(root, async_save=False, read_only=True)
-                    try:
-                        return self._restore_step(reader, s, abstract_state, target)
-                    except CheckpointError:
-                        raise
-                    except Exception as e:  # noqa: BLE001 - any read failure of verified files: say which
-                        problems = [f"Orbax failed to read it: {type(e).__name__}: {str(e)[:500]}"]
-                    finally:
-                        if reader is not mgr:
-                            reader.close()
-                failures.append(f"step {s} in {root}: " + "; ".join(problems))
-                if step is None:
-                    warnings.warn(f"checkpoint {failures[-1]}; falling back to the previous good step", stacklevel=2)
-        if not tried:
-            raise CheckpointError(
-                f"no committed checkpoint in {self.directory}"
-                + (f" or {self.replicate_to}" if self.replicate_to else "")
-                + "; call latest_good_step() first and start from scratch when it is None"
-            )
+        for root, mgr, steps in plan:
+            reader = mgr or _orbax_manager(root, async_save=False, read_only=True)
+            try:
+                for i, s in enumerate(steps):
+                    problems, meta, checking = self._check_step(
+                        reader, root, s, target, wanted, concrete if partial else None, verify, steps[i + 1 :]
+                    )
+                    if not problems:  # every process reads (Orbax's collectives) or none does
+                        restored, failed = None, None
+                        try:  # while `checking` verifies the array files; nothing is returned before it is done
+                            restored = self._restore_step(reader, s, abstract_state, target, meta, concrete)
+                        except CheckpointError:
+                            raise
+                        except Exception as e:  # noqa: BLE001 - a read failure of intact files: say which
+                            failed = f"Orbax failed to read it: {type(e).__name__}: {str(e)[:500]}"
+                        late = checking.result() if checking is not None else []
+                        problems = _agree(late or ([failed] if failed else []))
+                        if not problems:
+                            self.restored_step = s
+                            return restored
+                        del restored
+                    failures.append(f"step {s} in {root}: " + "; ".join(problems))
+                    if step is None:
+                        warnings.warn(
+                            f"checkpoint {failures[-1]}; falling back to the previous good step", stacklevel=2
+                        )
+            finally:
+                if reader is not mgr:
+                    reader.close()
         raise CheckpointCorruptError(
-            "no checkpoint step verifies against its checksums:\n  " + "\n  ".join(failures) + "\nrestore "
-            "from another copy (replicate_to) or restart training"
+            "expected a checkpoint step whose files match their checksums, found none:\n  "
+            + "\n  ".join(failures)
+            + "\nrestore from another copy (replicate_to) or restart training"
         )
 
-    def _restore_step(self, mgr: Any, step: int, abstract_state: Any, target: dict) -> tuple[Any, Any, dict]:
-        meta = mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    def _nothing_to_restore(self) -> str:
+        where = [self.directory] + ([self.replicate_to] if self.replicate_to is not None else [])
+        found = []
+        for root in where:
+            if not root.exists():
+                found.append(f"{root} does not exist")
+                continue
+            folders = sorted(int(p.name) for p in root.iterdir() if p.name.isdigit())
+            found.append(
+                f"{root} has step folders {folders} but none has all its checksum records (saves that never finished)"
+                if folders
+                else f"{root} has no step folders"
+            )
+        return (
+            f"expected a committed checkpoint in {' or '.join(str(r) for r in where)}, found no committed "
+            "checkpoint: "
+            + "; ".join(found)
+            + "; check the directory, or call latest_good_step() first and start from scratch when it is None"
+        )
+
+    def _check_step(
+        self,
+        reader: Any,
+        root: epath.Path,
+        step: int,
+        target: dict[str, jax.ShapeDtypeStruct],
+        wanted: dict[str, Spec],
+        concrete: dict[str, jax.Array] | None,
+        verify: bool,
+        older: list[int],
+    ) -> tuple[list[str], dict[str, Any], Future[list[str]] | None]:
+        """(the problems of all processes, meta, the running verification of the large files this process reads).
+
+        ``concrete`` (only with ``partial=True``): the arrays passed in, which leaves the checkpoint lacks keep.
+
+        Raises `CheckpointMismatchError` if the step's leaves do not fit ``target``: checked on the verified
+        ``meta`` item before the arrays are verified, so a changed model never reads as a corrupt checkpoint.
+        """
+        step_dir = root / str(step)
+        record, problems = load_records(step_dir) if verify else ({}, [])
+        meta: dict[str, Any] = {}
+        if not problems and verify:
+            problems = verify_checksums(step_dir, [r for r in record if r.startswith("meta/")], record=record)
+        problems = _agree(problems)  # each `_agree` is a collective: every process passes the same ones
+        if problems:
+            return problems, meta, None
+        try:
+            meta = _read_meta(reader, step)
+            saved = _saved(step_dir, meta["openhosti"])
+        except Exception as e:  # noqa: BLE001 - verified or not, unreadable metadata is a damaged step
+            problems = [f"its metadata is unreadable ({type(e).__name__}: {str(e)[:300]})"]
+        if not problems:
+            diff = diff_leaves(saved, wanted)
+            if diff.blocks(partial=concrete is not None):
+                raise CheckpointMismatchError(self._mismatch_message(reader, root, step, diff, wanted, older))
+            shapes_only = [n for n in diff.added if n not in (concrete or {})]
+            if shapes_only:
+                raise CheckpointMismatchError(
+                    f"restore(..., partial=True) keeps the values passed in for the leaves checkpoint step {step} "
+                    f"lacks, so expected arrays for them, found only shapes (jax.ShapeDtypeStruct) for "
+                    f"{shapes_only}; pass the freshly initialised state (arrays) as abstract_state, at least for "
+                    "those leaves"
+                )
+            if verify:
+                reads = {n: (tuple(t.shape), t.sharding) for n, t in target.items() if n in saved}
+                files = files_read_by(step_dir, reads, set(record) | set(item_files(step_dir)))
+                # sizes and the small (metadata) files first: Orbax is never fed a truncated or missing file,
+                # and the large files are checksummed while Orbax reads them
+                small = {f for f in files if record.get(f, [0])[0] <= _SMALL_FILE}
+                problems = check_sizes(step_dir, files, record) or verify_checksums(step_dir, small, record=record)
+                problems = _agree(problems)
+                if not problems:
+                    large = [f for f in files if f not in small]
+                    checking = self._verifier.submit(
+                        verify_checksums, step_dir, large, record=record, threads=self._threads
+                    )
+                    return problems, meta, checking
+                return problems, meta, None
+        return _agree(problems), meta, None
+
+    def _mismatch_message(
+        self,
+        reader: Any,
+        root: epath.Path,
+        step: int,
+        diff: LeafDiff,
+        wanted: dict[str, Spec],
+        older: list[int],
+    ) -> str:
+        lines = [
+            f"expected checkpoint step {step} in {root} to hold the leaves of the state being restored, found "
+            f"differences (leaf names as the checkpoint stores them):",
+            diff.describe(),
+        ]
+        fitting, other = [], []
+        for s in older:
+            try:
+                fits = not diff_leaves(_saved(root / str(s), _read_meta(reader, s)["openhosti"]), wanted)
+            except Exception:  # noqa: BLE001 - an unreadable older step simply is not offered
+                continue
+            (fitting if fits else other).append(s)
+        if other:
+            lines.append(f"the older good steps {sorted(other)} do not match either; they were not tried")
+        if fitting:
+            lines.append(f"the older good steps {sorted(fitting)} match: restore(..., step={max(fitting)}) reads one")
+        fixes = []
+        if diff.changed:
+            fixes.append(
+                "a leaf saved with another shape or dtype cannot be restored into: restore with the model and "
+                "optimizer configuration that saved the checkpoint, then convert"
+            )
+        if diff.added:
+            fixes.append(
+                "for the added leaves, restore(state, partial=True) with concrete arrays for them (e.g. the "
+                "freshly initialised state) restores every other leaf and keeps their values"
+            )
+        if diff.removed:
+            fixes.append(
+                "restore(..., partial=True) leaves out the checkpoint's leaves the state lacks"
+                + ("; a renamed leaf is better renamed back" if diff.renamed else "")
+            )
+        lines.append("fix: " + "; ".join(fixes))
+        return "\n".join(lines)
+
+    def _restore_step(
+        self,
+        mgr: Any,
+        step: int,
+        abstract_state: Any,
+        target: dict[str, jax.ShapeDtypeStruct],
+        meta: dict[str, Any],
+        concrete: dict[str, jax.Array],
+    ) -> tuple[Any, Any, dict]:
         info = meta["openhosti"]
-        check_same_leaves(info["leaves"], sorted(target), step)
-        restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+        stored = set(info["leaves"])
+        reads = {n: t for n, t in target.items() if n in stored}
+        restore_args = ocp.checkpoint_utils.construct_restore_args(reads)
         out = mgr.restore(
             step,
             args=ocp.args.Composite(
-                state=ocp.args.PyTreeRestore(target, restore_args=restore_args), data=ocp.args.JsonRestore()
+                state=ocp.args.PyTreeRestore(
+                    reads, restore_args=restore_args, partial_restore=len(reads) < len(stored)
+                ),
+                data=ocp.args.JsonRestore(),
             ),
         )
-        state = unflatten_state(abstract_state, out["state"], info["key_impls"])
-        self.restored_step = step
+        flat = dict(out["state"]) | {n: concrete[n] for n in target if n not in stored}  # partial: kept
+        state = unflatten_state(abstract_state, flat, info["key_impls"])
         return state, out["data"]["data_state"], meta["user"]
 
     def user_meta(self, step: int) -> dict[str, Any]:
@@ -343,6 +595,7 @@ class CheckpointManager:
             self.wait()
         finally:
             self._worker.shutdown(wait=True)
+            self._verifier.shutdown(wait=True)
             self._mgr.close()
             for sig, old in self._old_handlers.items():
                 signal.signal(sig, old)
