@@ -30,12 +30,14 @@ class ConvNet(torch.nn.Module):
 
 
 class TinyGPT(torch.nn.Module):
-    """An embedding tied to the head around one transformer encoder layer."""
+    """An embedding tied to the head around one transformer encoder layer. ``bias=False`` drops the attention's key
+    bias, whose gradient is exactly zero (softmax ignores a shift common to a query's scores): Adam would turn the
+    float noise of that zero into steps of size lr."""
 
-    def __init__(self, vocab: int = 256, d: int = 32, dropout: float = 0.0) -> None:
+    def __init__(self, vocab: int = 256, d: int = 32, dropout: float = 0.0, bias: bool = True) -> None:
         super().__init__()
         self.embed = torch.nn.Embedding(vocab, d)
-        self.block = torch.nn.TransformerEncoderLayer(d, 4, 64, dropout=dropout, batch_first=True)
+        self.block = torch.nn.TransformerEncoderLayer(d, 4, 64, dropout=dropout, batch_first=True, bias=bias)
         self.head = torch.nn.Linear(d, vocab, bias=False)
         self.head.weight = self.embed.weight
 
@@ -270,3 +272,55 @@ def test_full_mode_options_are_checked():
     ddp = OptimizedDDP(model, optimizer=opt, loss_fn=torch.nn.functional.cross_entropy)
     with pytest.raises(BridgeError, match="found no checkpoint_dir"):
         ddp.save_checkpoint()
+
+
+@pytest.mark.timeout(600)
+def test_balanced_full_mode_equals_torch_and_moves_work_off_a_slow_device():
+    """balance=True on 4 devices, the last stalled 3 x 10 ms per microbatch: 4 AdamW steps of the transformer give
+    plain torch's losses and weights, and the balancer hands the slow device fewer of the 16 microbatches."""
+    import jax
+
+    from openhosti_jax import MeshConfig, build_mesh
+    from openhosti_jax.balance import Throttle
+
+    torch.manual_seed(0)
+    reference = TinyGPT(bias=False)
+    ours = copy.deepcopy(reference)
+    batches = _tokens(4, rows=32)
+    # lr 3e-3: at 1e-2 Adam blows a rare token's float noise up to 2e-5 in 4 steps, the plain full mode's too
+    expected = _torch_steps(reference, torch.optim.AdamW(reference.parameters(), lr=3e-3, weight_decay=0.1), batches)
+    mesh = build_mesh(MeshConfig(data=4), devices=jax.devices()[:4])
+    slow = Throttle.for_devices(4, {3: 4}, microbatch_seconds=0.01)
+    opt = torch.optim.AdamW(ours.parameters(), lr=3e-3, weight_decay=0.1)
+    ddp = OptimizedDDP(ours, mesh, optimizer=opt, loss_fn=_ce, balance=True, microbatches=16, every=1, throttle=slow)
+    got = [float(ddp.train_step(x, y)) for x, y in batches]
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    assert got[-1] < got[0]
+    ddp.state_dict()
+    _assert_state_close(ours, reference)
+    counts = ddp.balancer.counts
+    assert ddp.num_microbatches == 16 and sum(counts) == 16
+    assert counts[3] == min(counts) and counts[3] < 4, counts
+
+
+def test_balanced_full_mode_refuses_buffers_zero3_and_stray_options():
+    """BatchNorm's buffers (named), a ZeRO-3 plan, the plain mode's microbatch=, unknown balancer keywords, and
+    balancer keywords without balance=True are refused before any step."""
+    net = ConvNet()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    ce = torch.nn.functional.cross_entropy
+    with pytest.raises(BridgeError, match=r"cannot carry module buffers.*'bn.running_mean'"):
+        OptimizedDDP(net, optimizer=opt, loss_fn=ce, balance=True)
+    gpt = TinyGPT()
+    opt = torch.optim.SGD(gpt.parameters(), lr=0.1)
+    for plan in ("fsdp", 3):
+        with pytest.raises(BridgeError, match=f"replicated over the data axis.*found {plan}"):
+            OptimizedDDP(gpt, optimizer=opt, loss_fn=_ce, plan=plan, balance=True)
+    with pytest.raises(BridgeError, match="expected no microbatch="):
+        OptimizedDDP(gpt, optimizer=opt, loss_fn=_ce, balance=True, microbatch=2)
+    with pytest.raises(BridgeError, match=r"found \['evry'\]"):
+        OptimizedDDP(gpt, optimizer=opt, loss_fn=_ce, balance=True, evry=1)
+    with pytest.raises(BridgeError, match="found balance=False"):
+        OptimizedDDP(gpt, optimizer=opt, loss_fn=_ce, microbatches=8)
+    with pytest.raises(BridgeError, match="belong to the full mode"):
+        OptimizedDDP(gpt, balance=True)

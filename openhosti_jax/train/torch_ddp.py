@@ -25,8 +25,17 @@ train state (parameters, optimizer state, buffers, key) through `openhosti_jax.c
 ``every_steps`` steps (else every 15 minutes; `save_checkpoint` saves now, `close` waits for saves in flight), and a
 new ``OptimizedDDP`` on the same directory resumes from its latest good step at its first ``train_step``.
 `state_dict` writes the trained weights and buffers back into the module; `load_state_dict` (or `load_module` after
-changing the module directly) takes the module's values into the train state, keeping the optimizer state. Load
-balancing (`openhosti_jax.balanced_step`) is not wired in: it needs a loss as (sum, count), not torch's mean.
+changing the module directly) takes the module's values into the train state, keeping the optimizer state.
+
+``balance=True, microbatches=N`` makes the full mode's step a load-balanced one (`openhosti_jax.balanced_step`): each
+batch is cut into N microbatches of consecutive rows, which a `openhosti_jax.balance.Balancer` spreads over the data
+axis by measured speed (keyword arguments it takes, e.g. ``throttle=``, ``every=``, pass through). The torch loss, a
+mean over rows, counts as ``(mean * rows, rows)`` per microbatch, so the gradient is the mean over the batch's rows as
+torch's (exact when every row weighs the same in the mean, as in a mean over rows or over a fixed number of tokens per
+row). The plan must keep the parameters replicated over the data axis (``"dp"``, the default then, ``"zero1"``,
+``"zero2"``); modules with buffers are refused (the balanced step carries no buffers, and BatchNorm statistics
+cannot follow torch's order when devices run different numbers of microbatches at once). Microbatch k's dropout key
+is ``fold_in`` of the step's key and k, whichever device runs it.
 
 Example:
     >>> import torch
@@ -39,6 +48,7 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 import os
 from typing import Any
 
@@ -50,6 +60,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from openhosti_jax.balance import Balancer
 from openhosti_jax.bridges.torch_lowering import Lowered, lower, lower_function
 from openhosti_jax.bridges.torch_optim import optax_from_torch
 from openhosti_jax.checkpoint import CheckpointManager
@@ -57,10 +68,20 @@ from openhosti_jax.errors import BatchError, BridgeError
 from openhosti_jax.mesh import MeshConfig, build_mesh
 from openhosti_jax.mesh.distributed import initialize_distributed
 from openhosti_jax.microbatch import split_microbatches
+from openhosti_jax.sharding.plan import ShardingPlan
 from openhosti_jax.state.context import constrain_gradients, current_microbatches
 from openhosti_jax.state.init import abstract_train_state
+from openhosti_jax.train.balanced import BalancedStep
 from openhosti_jax.train.create import Strategy, create_train_state
 from openhosti_jax.train.spmd import SpmdStep, spmd
+
+
+def _zero_stage(plan: Strategy) -> int | None:
+    """The ZeRO stage a plan names (None for ``"auto"`` before the planner resolves it)."""
+    if isinstance(plan, ShardingPlan):
+        return plan.zero_stage
+    named = {"fsdp": 3, "zero3": 3, "zero2": 2, "zero1": 1}
+    return named.get(plan) if isinstance(plan, str) else plan
 
 
 def _local(x: jax.Array) -> np.ndarray:
@@ -108,12 +129,15 @@ class OptimizedDDP(torch.nn.Module):
         *,
         optimizer: torch.optim.Optimizer | None = None,
         loss_fn: Any = None,
-        plan: Strategy = "fsdp",
+        plan: Strategy | None = None,
         microbatch: int | str | None = None,
         memory_budget: int | None = None,
         checkpoint_dir: str | os.PathLike[str] | None = None,
         every_steps: int | None = None,
         keep: int | None = 3,
+        balance: bool = False,
+        microbatches: int | None = None,
+        **balancer_kw: Any,
     ) -> None:
         super().__init__()
         if (optimizer is None) != (loss_fn is None):
@@ -121,7 +145,18 @@ class OptimizedDDP(torch.nn.Module):
                 "the full mode takes both optimizer= (a torch optimizer) and loss_fn=(output, targets) -> loss; the "
                 "drop-in mode takes neither"
             )
-        full_only = {"microbatch": microbatch, "memory_budget": memory_budget, "checkpoint_dir": checkpoint_dir}
+        if not balance and (microbatches is not None or balancer_kw):
+            given = sorted({*balancer_kw, *(["microbatches"] if microbatches is not None else [])})
+            raise BridgeError(
+                f"{given} configure the load-balanced step: expected OptimizedDDP(module, optimizer=..., loss_fn=..., "
+                f"balance=True, {given[0]}=...), found balance=False; pass balance=True, or drop {given}"
+            )
+        full_only = {
+            "microbatch": microbatch,
+            "memory_budget": memory_budget,
+            "checkpoint_dir": checkpoint_dir,
+            "balance": balance or None,
+        }
         given = sorted(k for k, v in full_only.items() if v is not None)
         if optimizer is None and given:
             raise BridgeError(
@@ -139,6 +174,10 @@ class OptimizedDDP(torch.nn.Module):
         self.data_axis = data_axis
         self._rows = P(data_axis)
         self._low: Lowered = lower(module)
+        if balance:
+            plan = "dp" if plan is None else plan
+            self._check_balance(plan, microbatch, memory_budget, microbatches, balancer_kw)
+        plan = "fsdp" if plan is None else plan
         self._programs: dict[tuple[str, bool], Any] = {}
         self._full: dict[str, Any] | None = None
         self.checkpoints: CheckpointManager | None = None
@@ -153,8 +192,9 @@ class OptimizedDDP(torch.nn.Module):
                 "seed": seed,
                 "microbatch": microbatch,
                 "memory_budget": memory_budget,
+                "balance": {"microbatches": microbatches, **balancer_kw} if balance else None,
                 "state": None,
-                "steps": {},  # the SpmdStep of each mode (training: True / False)
+                "steps": {},  # the SpmdStep (or BalancedStep) of each mode (training: True / False)
                 "count": 0,  # steps trained (counting those a restored checkpoint had)
                 "dirty": False,  # trained weights not yet written back into the module
             }
@@ -181,22 +221,27 @@ class OptimizedDDP(torch.nn.Module):
 
     def train_step(self, inputs: torch.Tensor | tuple[torch.Tensor, ...], targets: torch.Tensor) -> torch.Tensor:
         """The full mode's step: forward, ``loss_fn``, gradient and the optimizer's optax update, one jitted program
-        sharded by the plan (``"fsdp"``: ZeRO-3 over the data axis; ``"dp"``, ``"zero1"``, ``"zero2"``, ``"auto"``),
-        in the module's mode (``train()`` / ``eval()``). Returns the loss; the module's weights are written back by
-        `state_dict` / `sync_module`. The first step resumes from ``checkpoint_dir``'s latest good step if any."""
+        sharded by the plan (``"fsdp"``, the default: ZeRO-3 over the data axis; ``"dp"``, ``"zero1"``, ``"zero2"``,
+        ``"auto"``), in the module's mode (``train()`` / ``eval()``); with ``balance=True`` a load-balanced step
+        (`openhosti_jax.balanced_step`, plan ``"dp"`` by default). Returns the loss; the module's weights are written
+        back by `state_dict` / `sync_module`. The first step resumes from ``checkpoint_dir``'s latest good step if
+        any."""
         full = self._full
         if full is None:
             raise BridgeError(
                 "train_step is the full mode: OptimizedDDP(module, optimizer=torch_optimizer, loss_fn=loss); in the "
                 "drop-in mode call model(x), loss.backward() and optimizer.step() as with DDP"
             )
-        x = tuple(self._split(t) for t in (inputs if isinstance(inputs, tuple) else (inputs,)))
-        y = self._split(targets)
+        xs = inputs if isinstance(inputs, tuple) else (inputs,)
+        if full["balance"] is not None:  # the global batch on the host: the balancer places each device's rows
+            batch = (tuple(self._global_host(t) for t in xs), self._global_host(targets))
+        else:
+            batch = (tuple(self._split(t) for t in xs), self._split(targets))
         if full["state"] is None:
             self._build_full(full)
             if self.checkpoints is not None and self.checkpoints.latest_good_step() is not None:
                 self.restore_checkpoint()
-        full["state"], metrics = self._full_step(self.module.training)(full["state"], (x, y))
+        full["state"], metrics = self._full_step(self.module.training)(full["state"], batch)
         full["dirty"] = True
         full["count"] += 1
         if self.checkpoints is not None:
@@ -211,8 +256,11 @@ class OptimizedDDP(torch.nn.Module):
 
     @property
     def num_microbatches(self) -> int:
-        """Gradient-accumulation steps the full mode's step in the module's current mode runs (1 before a step)."""
+        """Gradient-accumulation steps the full mode's step in the module's current mode runs (1 before a step);
+        with ``balance=True``, the microbatches each batch is cut into, over all devices."""
         step = None if self._full is None else self._full["steps"].get(self.module.training)
+        if isinstance(step, BalancedStep):
+            return step.microbatches
         return 1 if step is None else step.num_microbatches
 
     @property
@@ -220,7 +268,69 @@ class OptimizedDDP(torch.nn.Module):
         """The `openhosti_jax.microbatch.MicrobatchChoice` of ``microbatch="auto"`` in the module's current mode
         (None before its first step, or without ``"auto"``)."""
         step = None if self._full is None else self._full["steps"].get(self.module.training)
-        return None if step is None else step.microbatch_choice
+        return step.microbatch_choice if isinstance(step, SpmdStep) else None
+
+    @property
+    def balancer(self) -> Balancer | None:
+        """With ``balance=True``, the `openhosti_jax.balance.Balancer` of the module's current mode (``counts``: the
+        microbatches each data-parallel device runs next step); None before its first step or without balance."""
+        step = None if self._full is None else self._full["steps"].get(self.module.training)
+        return step.balancer if isinstance(step, BalancedStep) else None
+
+    def _check_balance(
+        self, plan: Strategy, microbatch: Any, memory_budget: Any, microbatches: Any, balancer_kw: dict[str, Any]
+    ) -> None:
+        """Refuse what a balanced full-mode step cannot do, before anything is traced."""
+        if microbatch is not None or memory_budget is not None:
+            raise BridgeError(
+                "balance=True cuts each batch into microbatches= pieces that the balancer spreads over the devices; "
+                f"expected no microbatch=/memory_budget=, found microbatch={microbatch!r}, "
+                f"memory_budget={memory_budget!r}; drop them and size the pieces with microbatches="
+            )
+        if microbatches is not None and (
+            isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1
+        ):
+            raise BridgeError(f"expected microbatches= an int >= 1 (pieces per batch), found {microbatches!r}")
+        accepted = set(inspect.signature(Balancer).parameters) - {"loss_fn", "mesh", "total", "axis"}
+        unknown = sorted(set(balancer_kw) - accepted)
+        if unknown:
+            raise BridgeError(
+                f"OptimizedDDP passes extra keyword arguments to the Balancer; expected some of {sorted(accepted)}, "
+                f"found {unknown}; fix the names or drop them"
+            )
+        if _zero_stage(plan) == 3:
+            raise BridgeError(
+                "a balanced step needs the parameters replicated over the data axis; expected plan='dp', 'zero1' or "
+                f"'zero2', found {plan if isinstance(plan, str | int) else 'a ZeRO-3 plan'}; pass one of those"
+            )
+        if self._low.buffer_names:
+            raise BridgeError(
+                "balance=True cannot carry module buffers (the balanced step has no model state, and devices run "
+                "their microbatches at the same time, so BatchNorm statistics cannot update in torch's order); "
+                f"expected a module without buffers, found {list(self._low.buffer_names)}; use the full mode without "
+                "balance, or a module without them (e.g. LayerNorm or GroupNorm for BatchNorm)"
+            )
+
+    def _balanced_loss(self) -> Any:
+        """``loss_fn(params, (inputs, targets), rng) -> (mean * rows, rows)``: the torch loss (a mean over rows)
+        as the sum and count `openhosti_jax.balanced_step` averages exactly over the devices."""
+        full = self._full
+        assert full is not None
+        low, loss = self._low, full["loss"]
+
+        def loss_fn(params: Any, mb: Any, rng: jax.Array) -> tuple[jax.Array, jax.Array]:
+            inputs, targets = mb
+            out, _ = low.apply(params, {}, *inputs, key=rng)
+            value = jnp.asarray(loss(out, targets))
+            if value.ndim:
+                raise BridgeError(
+                    f"balance=True takes loss_fn's value as a mean over the rows; expected a scalar, found shape "
+                    f"{value.shape}; use the loss's default reduction='mean'"
+                )
+            rows = targets.shape[0]
+            return value * jnp.asarray(rows, value.dtype), jnp.float32(rows)
+
+        return loss_fn
 
     def _build_full(self, full: dict[str, Any]) -> None:
         low = self._low
@@ -234,12 +344,26 @@ class OptimizedDDP(torch.nn.Module):
             lambda _: params, full["tx"], self.mesh, plan=full["plan"], apply_fn=apply_fn, seed=full["seed"]
         )
         full["state"] = full["state"].replace(model_state={n: self._replicated_value(v) for n, v in buffers.items()})
+        if full["balance"] is not None and _zero_stage(full["plan"]) == 3:  # "auto" may choose ZeRO-3
+            raise BridgeError(
+                "a balanced step needs the parameters replicated over the data axis; expected a plan of ZeRO stage "
+                "0-2, found that the planner chose ZeRO-3; pass plan='dp', 'zero1' or 'zero2'"
+            )
 
-    def _full_step(self, training: bool) -> SpmdStep:
-        """The full mode's `SpmdStep` for the module's mode (each traces the module in its own mode)."""
+    def _full_step(self, training: bool) -> SpmdStep | BalancedStep:
+        """The full mode's `SpmdStep` (with ``balance=True``: `BalancedStep`) for the module's mode (each traces the
+        module in its own mode)."""
         full = self._full
         assert full is not None
         if training in full["steps"]:
+            return full["steps"][training]
+        if full["balance"] is not None:
+            kw = dict(full["balance"])
+            n = kw.pop("microbatches") or 4 * self.mesh.shape[self.data_axis]
+            loss_fn = self._balanced_loss()  # traced in the module's current mode, as the key says
+            full["steps"][training] = BalancedStep(
+                loss_fn, self.mesh, full["plan"], microbatches=n, axis=self.data_axis, **kw
+            )
             return full["steps"][training]
         loss = full["loss"]
         holder: list[SpmdStep] = []
@@ -390,6 +514,13 @@ class OptimizedDDP(torch.nn.Module):
             )
         value = t.detach().cpu().numpy()
         return jax.make_array_from_process_local_data(NamedSharding(self.mesh, self._rows), value)
+
+    def _global_host(self, t: torch.Tensor) -> np.ndarray:
+        """The global batch (every process's rows, in process order) on the host, from this process's ``t``."""
+        if t.ndim == 0:
+            raise BatchError(f"OptimizedDDP cuts dim 0 of each input into microbatches; found a 0-d tensor {t!r}")
+        value = t.detach().cpu().numpy()
+        return np.asarray(multihost_utils.process_allgather(value, tiled=True)) if jax.process_count() > 1 else value
 
     def _buffers_now(self) -> dict[str, torch.Tensor]:
         named = dict(self.module.named_buffers())
