@@ -16,14 +16,14 @@ Published throughput in TFLOP/s per device is turned into tokens/s with the sour
 code counted when the number was published: Megatron 2021 ``96 l h^2 (1 + s/(6h) + V/(16 l h))`` (the recomputed
 forward included), Megatron-Core r0.8.0 ``12 l h^2 (6 + s/h + V/(2 l h))``, MaxText (2024) ``6 N + 6 l heads
 head_dim s``; torchtitan publishes tokens/s. Where a source leaves a setting unstated, the run below says what was
-taken (microbatch 1, selective recomputation, the pipeline's TP/PP split).
+taken (microbatches of one sequence, pipelined or accumulated, selective recomputation, the pipeline's TP/PP split).
 
 The runs: torchtitan Llama-3.1 8B FSDP on 8 and 128 H100 (Tables 1 and 3, no torch.compile or Float8), MaxText
 Llama-2 7B on one A3 VM, Megatron-Core's weak-scaling table (7.1B, 177B, 462B) and the strong-scaling ends of its
 GPT-3 175B (96 and 4,608 GPUs), MaxText's 32B on a TPU v5p-128 (its 2023 shape: MLP 3.2 h, 256-wide heads) and four
 rows of Megatron-LM's 2021 A100 table (1.7B to 1T).
 
-    python benchmarks/scale.py        # about two and a half minutes on CPU
+    python benchmarks/scale.py        # about three minutes on CPU
 
 Last stdout line: one JSON object.
 """
@@ -165,7 +165,7 @@ def _mcore(
         2,
         "dots",
         "bf16",
-        batch // dp if pp > 1 else 1,
+        batch // dp,  # microbatches of one sequence, accumulated without a pipeline too
         tflops * 1e12 / per_token,
         source,
     )
@@ -187,7 +187,7 @@ def _megatron2021(key: str, layers: int, hidden: int, mp: int, gpus: int, batch:
         0,
         "full",
         "bf16",
-        batch // dp if pp > 1 else 1,
+        batch // dp,  # microbatches of one sequence, accumulated without a pipeline too
         tflops * 1e12 / per_token,
         _MEGATRON_2021,
     )

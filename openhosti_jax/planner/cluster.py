@@ -4,7 +4,8 @@ The mesh is laid out as `openhosti_jax.mesh.build_mesh` lays it out with ``dcn``
 ``dcn_*``): axes in `openhosti_jax.mesh.AXES` order, the innermost ones filling a host first, so that an axis's
 size is its ICI (inside a host) factor times its DCN (across hosts) factor. A collective over a group of axes runs
 hierarchically: within each host over the ICI factor (NVLink, ICI), then across hosts over the DCN factor (InfiniBand,
-DCN) on the share each device holds, at the profile's ``dcn_bandwidth``.
+DCN) on the share each device holds, at the profile's ``dcn_bandwidth``; each step at the fraction of its link that
+the profile's measured curve gives for its message size (`DeviceProfile.link_efficiency`, ``dcn_efficiency``).
 
 Example:
     >>> c = cluster("64xH100")
@@ -29,7 +30,7 @@ from collections.abc import Mapping, Sequence
 
 from openhosti_jax.errors import PlanningError
 from openhosti_jax.mesh.config import AXES
-from openhosti_jax.planner.profiles import PROFILES, DeviceProfile, bus_bytes
+from openhosti_jax.planner.profiles import PROFILES, DeviceProfile, bus_bytes, curve_seconds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +40,7 @@ class Cluster:
     profile: DeviceProfile
     hosts: int = 1
     devices_per_host: int = 1
+    _prices: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.hosts < 1 or self.devices_per_host < 1:
@@ -57,11 +59,20 @@ class Cluster:
 
     def collective_seconds(self, kind: str, nbytes: float, mesh_shape: Mapping[str, int], axes: Sequence[str]) -> float:
         """Seconds of one collective of ``kind`` on a full buffer of ``nbytes`` over the groups spanning ``axes``:
-        inside each host (the profile's link model), then across hosts on each device's share."""
+        inside each host (the profile's link model at this message size, `DeviceProfile.link_seconds`), then across
+        hosts on each device's share (remembered: a search prices the same collectives many times)."""
+        key = (kind, nbytes, tuple(int(mesh_shape.get(a, 1)) for a in AXES), tuple(axes))
+        if key not in self._prices:
+            if len(self._prices) >= 2**16:
+                self._prices.clear()
+            self._prices[key] = self._price(kind, nbytes, mesh_shape, axes)
+        return self._prices[key]
+
+    def _price(self, kind: str, nbytes: float, mesh_shape: Mapping[str, int], axes: Sequence[str]) -> float:
         f = self.factors(mesh_shape)
         within = math.prod(f[a][0] for a in axes)
         across = math.prod(f[a][1] for a in axes)
-        local = self.profile.collective_seconds
+        local = self.profile.link_seconds
         if across == 1:
             return local(kind, nbytes, within)
         share = nbytes / within  # each device's part of the buffer after the in-host step
@@ -72,10 +83,13 @@ class Cluster:
 
     def dcn_seconds(self, kind: str, nbytes: float, n: int) -> float:
         """Seconds of a collective over ``n`` hosts on ``nbytes`` per device, each device on its own share of the
-        host's network (`DeviceProfile.dcn_bandwidth`)."""
+        host's network (`DeviceProfile.dcn_bandwidth`): at the measured fraction of it for ``nbytes``
+        (`DeviceProfile.dcn_efficiency`), else with one latency per doubling of the host count."""
         p = self.profile
         if n <= 1 or nbytes <= 0:
             return 0.0
+        if p.dcn_efficiency:
+            return curve_seconds(p.dcn_efficiency, bus_bytes(kind, 1.0, n), nbytes, p.dcn_bandwidth)
         return p.dcn_latency * math.ceil(math.log2(n)) + bus_bytes(kind, nbytes, n) / p.dcn_bandwidth
 
 

@@ -7,13 +7,15 @@ gradient leaf, and under ZeRO-3 the gathered full copy of each sharded leaf; the
 and precision policies keep, from a trace under them, over the microbatch count) and the gradient reduction (XLA's
 combiner makes it one collective whose full input and output are both live; a native reduce-scatter's output is
 the sharded gradient). Time (seconds): matmul FLOPs (with the remat policy's recomputation) / (peak x the
-profile's matmul efficiency), activation and optimizer-update bytes / memory bandwidth (measured for the step's
-working set: its predicted bytes per device), and every collective priced per leaf by the profile's alpha-beta
-model (all-reduce 2(n-1)/n, all-gather and reduce-scatter (n-1)/n of the bytes over the bandwidth), in each host
-and then across hosts on a `Cluster`; where the profile says the compiler overlaps collectives with compute, a
-step takes the longer of the two, else their sum.
-Gradient reductions pay one latency per kind and group: XLA's all-reduce / reduce-scatter combiners merge them
-into one op (seen in the compiled HLO), while ZeRO-3 gathers stay one per sharded leaf (gathered per use). Without
+profile's matmul efficiency at each matmul's size on one device, `matmul_efficiency`), activation and
+optimizer-update bytes / memory bandwidth (measured for the step's working set: its predicted bytes per device), and
+every collective priced per message by the profile's link model (all-reduce 2(n-1)/n, all-gather and
+reduce-scatter (n-1)/n of the bytes over the bandwidth, at the measured fraction of it for the message's size where
+the profile has one), in each host and then across hosts on a `Cluster`; where the profile says the compiler
+overlaps collectives with compute, a step takes the longer of the two, else their sum.
+Gradient reductions are one message per kind and group: XLA's all-reduce / reduce-scatter combiners merge them
+into one op (seen in the compiled HLO), while ZeRO-3 gathers stay one per sharded leaf and layer (gathered per use,
+a scanned stack a layer at a time), and tensor-parallel activations one per leaf and microbatch. Without
 a native reduce-scatter (CPU) ZeRO-2/3 gradients are all-reduced over the data-parallel devices, as in ZeRO-0/1.
 
 Example:
@@ -105,6 +107,39 @@ def _tensor_dim(spec: P) -> int | None:
     return next((d for d, entry in enumerate(spec) if entry is not None and "tensor" in spec_axes(P(entry))), None)
 
 
+def matmul_efficiency(work: Workload, profile: DeviceProfile, examples: float, t: int, split_share: float) -> float:
+    """The fraction of peak a step's matmuls reach together on one device: each matmul of the workload
+    (`Workload.gemm_sizes`) at its size for ``examples`` examples per call (a microbatch), the tensor-split share of
+    its FLOPs at ``1 / t`` of that, weighted by FLOPs (the step time of every matmul at its own
+    `DeviceProfile.gemm_efficiency`, over the time at the peak); without a trace, the profile's large-GEMM
+    efficiency.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from flax import nnx
+        >>> from openhosti_jax.planner.profiles import PROFILES
+        >>> from openhosti_jax.planner.workload import workload
+        >>> w = workload(nnx.Linear(1024, 1024, rngs=nnx.Rngs(0)), jax.ShapeDtypeStruct((1024, 1024), jnp.float32))
+        >>> a100 = PROFILES["A100"]
+        >>> round(matmul_efficiency(w, a100, 1024, 1, 0.0), 6), round(a100.gemm_efficiency(1024), 6)  # 1024^3 GEMMs
+        (0.263697, 0.263697)
+    """
+    gemms = work.gemm_sizes()
+    if not gemms or not profile.matmul_curve:
+        return profile.gemm_efficiency(math.inf)
+    key = ("gemm efficiency", profile.matmul_curve, examples, t, split_share)
+
+    def weigh() -> float:
+        eff, whole, split = profile.gemm_efficiency, 1 - split_share, split_share / t
+        per_peak = sum(
+            share * (whole / eff((mnk * examples) ** (1 / 3)) + split / eff((mnk * examples / t) ** (1 / 3)))
+            for mnk, share in gemms
+        )
+        return (whole + split) / per_peak
+
+    return work.memo(key, weigh)
+
+
 def estimate(
     plan: ShardingPlan,
     work: Workload,
@@ -186,12 +221,15 @@ def estimate(
     comm_s, comm_b = 0.0, 0.0
     upd_param = 0.0  # parameter bytes each device updates
 
-    def coll(kind: str, nbytes: float, axes: tuple[str, ...]) -> None:
+    def coll(kind: str, nbytes: float, axes: tuple[str, ...], messages: float = 1.0) -> None:
+        """``nbytes`` (the replica's, of which a stage moves its share) over ``axes`` in ``messages`` equal
+        collectives, each priced at its own message size."""
         nonlocal comm_s, comm_b
         n = math.prod(sizes.get(a, 1) for a in axes)
         nbytes /= stages  # every collective is per layer: a stage's devices move their layers' share
         if n > 1 and nbytes > 0:
-            comm_s += cluster.collective_seconds(kind, nbytes, sizes, axes)
+            count = max(messages / stages, 1.0)
+            comm_s += count * cluster.collective_seconds(kind, nbytes / count, sizes, axes)
             comm_b += bus_bytes(kind, nbytes, n)
 
     combined: dict[tuple[str, tuple[str, ...]], float] = {}  # gradient reductions: XLA's combiners fuse them per kind
@@ -201,7 +239,7 @@ def estimate(
             combined[(kind, axes)] = combined.get((kind, axes), 0.0) + nbytes
 
     dp_axes = tuple(spec_axes(plan.batch_spec))
-    for x, zs, bs in zip(params, sharded, base, strict=True):
+    for x, zs, bs, names in zip(params, sharded, base, names_, strict=True):
         full = local_bytes(x, bs, sizes)
         z = _group(zs, bs) if plan.zero_stage >= 1 else ()
         if plan.zero_stage >= 2 and profile.native_reduce_scatter:
@@ -209,7 +247,7 @@ def estimate(
             grad_sync("all_reduce", full / math.prod(sizes[a] for a in z), tuple(a for a in dp_axes if a not in z))
         else:
             grad_sync("all_reduce", full, dp_axes)
-        coll("all_gather", full, z)
+        coll("all_gather", full, z, int(x.shape[0]) if names and names[0] == LAYER_AXIS else 1)  # a layer a time
         upd_param += full / math.prod(sizes[a] for a in z)
     for (kind, axes), size in combined.items():
         coll(kind, size, axes)
@@ -218,15 +256,15 @@ def estimate(
         for x, bs in zip(params, base, strict=True):
             if len(x.shape) == 2 and "tensor" in spec_axes(bs):
                 width = x.shape[1] if bs[0] is not None else x.shape[0]
-                coll("all_reduce", tokens * width * work.activation_itemsize, ("tensor",))
+                coll("all_reduce", tokens * width * work.activation_itemsize, ("tensor",), k)  # per microbatch
         # values whose split the ops cannot carry are gathered forward and reduce-scattered backward
-        coll("all_gather", reshard * b_local, ("tensor",))
-        coll("reduce_scatter", reshard * b_local, ("tensor",))
+        coll("all_gather", reshard * b_local, ("tensor",), k)
+        coll("reduce_scatter", reshard * b_local, ("tensor",), k)
     flops = work.flops_per_example * b_local * (1 - split_share + split_share / t) * policy.flops_factor
     if stages > 1:  # the pipeline's backward recomputes its chunk's forward from the stored input
         flops *= 4 / 3
     mem_bytes = act_traffic + 2 * upd_param + upd_param + 2 * opt_local
-    compute = flops / (profile.peak_flops * profile.matmul_efficiency)
+    compute = flops / (profile.peak_flops * matmul_efficiency(work, profile, b_local / k, t, split_share))
     offload = 2 * policy.host_bytes_per_example * b_local / profile.host_bandwidth  # out to the host and back
     bandwidth = profile.memory_seconds(mem_bytes, memory["total"])  # a small step streams from the caches
     bubble = 1.0 + (stages - 1) / max(plan.num_microbatches, stages) if stages > 1 else 1.0

@@ -1,21 +1,28 @@
 """Device profiles for the cost model, as data: peak FLOP/s, memory bandwidth, link alpha-beta per collective,
 memory size, and the measured curves a calibration adds (`openhosti_jax.planner.calibrate`).
 
-Accelerators come from their published specs (`PROFILES`). A profile prices a collective by interpolating the
-measured curve of its group size where it has one (caches and protocol switches make bandwidth depend on the size,
-which one straight line cannot follow, and small groups meet faster than large ones), else by its alpha-beta line.
-Any field can be overridden with `dataclasses.replace` or by passing a profile to the planner.
+Accelerators come from their published specs (`PROFILES`) and published measurements: the fraction of peak a
+matmul reaches against its size (`DeviceProfile.matmul_curve`) and the fraction of a link's bus bandwidth a
+collective reaches against its message size (``link_efficiency``, ``dcn_efficiency``, from nccl-tests tables), each
+point citing its source (GPUs; none are published for TPUs, whose profiles stay flat). A calibrated profile prices
+a collective by interpolating the measured curve of its group size (caches and protocol switches make bandwidth
+depend on the size, which one straight line cannot follow, and small groups meet faster than large ones), else by
+its alpha-beta line. Any field can be overridden with `dataclasses.replace` or by passing a profile to the planner.
 
 Example:
     >>> from openhosti_jax.planner.profiles import PROFILES
-    >>> p = PROFILES["H100"]
-    >>> round(p.collective_seconds("all_reduce", 2**30, 8) * 1e3, 1)  # 1 GiB all-reduce over 8 GPUs, in ms
-    4.2
+    >>> p = PROFILES["A100"]
+    >>> round(p.link_seconds("all_reduce", 2**24, 8) * 1e6, 1)  # nccl-tests' 16 MiB all-reduce on 8 A100: 276.6 us
+    276.6
+    >>> round(p.gemm_seconds(1024, 1024, 1024) * 1e6, 1)  # a 1024^3 bf16 GEMM at 26% of the 312 TFLOP/s peak
+    26.1
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -69,7 +76,19 @@ class DeviceProfile:
     dcn_latency: float = 10e-6
     """Seconds of fixed cost per step of a cross-host collective (one per doubling of the host count)."""
     matmul_efficiency: float = 1.0
-    """Fraction of ``peak_flops`` that large matmuls reach (a measured GEMM benchmark; 1.0: the peak)."""
+    """Fraction of ``peak_flops`` that large matmuls reach (a measured GEMM benchmark; 1.0: the peak), taken for
+    every matmul where ``matmul_curve`` is empty."""
+    matmul_curve: tuple[tuple[float, float], ...] = ()
+    """Achieved ``(GEMM size, fraction of peak_flops)`` points, sizes ascending, fractions non-decreasing: the size
+    of an ``M x N x K`` matmul is the side of the cube of equal work, ``(M N K) ** (1/3)`` (a square GEMM's
+    ``m = n = k``). `gemm_efficiency` interpolates it in log size, clamped at the ends."""
+    link_efficiency: tuple[tuple[float, float], ...] = ()
+    """Measured ``(message bytes, fraction of link_bandwidth)`` points of the intra-host link (nccl-tests' bus
+    bandwidth over its asymptote), sizes ascending. Where given (and the kind has no ``link_curve``),
+    `link_seconds` prices a collective at that fraction of ``link_bandwidth`` for its message size, no alpha
+    (the measured small-message fall-off is the latency)."""
+    dcn_efficiency: tuple[tuple[float, float], ...] = ()
+    """The same for the inter-host link: ``(bytes each device sends across hosts, fraction of dcn_bandwidth)``."""
     overlap: bool = False
     """Whether the compiler overlaps collectives with compute (XLA's latency-hiding scheduler on GPU and TPU):
     a step then takes the longer of compute and communication, not their sum (XLA's CPU backend does not)."""
@@ -118,6 +137,22 @@ class DeviceProfile:
             problems.append(f"launch_seconds={self.launch_seconds!r} must be >= 0")
         if not 0 < self.matmul_efficiency <= 1:
             problems.append(f"matmul_efficiency={self.matmul_efficiency!r} must be in (0, 1]")
+        for curve in ("matmul_curve", "link_efficiency", "dcn_efficiency"):
+            points = getattr(self, curve)
+            x, f = np.asarray([p[0] for p in points], float), np.asarray([p[1] for p in points], float)
+            top = 1.0 if curve == "matmul_curve" else np.inf
+            if points and (
+                len(x) < 2
+                or (x <= 0).any()
+                or (np.diff(x) <= 0).any()
+                or (f <= 0).any()
+                or (f > top).any()
+                or (np.diff(f) < 0).any()
+            ):
+                problems.append(
+                    f"{curve} must hold >= 2 (size, fraction) points, sizes > 0 and increasing, fractions > 0 "
+                    f"{'and <= 1 ' if top == 1 else ''}and non-decreasing; found {points}"
+                )
         if self.devices_per_host < 1 or self.dcn_bandwidth <= 0 or self.dcn_latency < 0:
             problems.append(
                 f"devices_per_host={self.devices_per_host!r} must be >= 1, dcn_bandwidth={self.dcn_bandwidth!r} "
@@ -143,6 +178,29 @@ class DeviceProfile:
             return _interpolate(groups[nearest], bus)
         return self.link_latency + bus / self.link_bandwidth[kind]
 
+    def gemm_efficiency(self, size: float) -> float:
+        """Fraction of ``peak_flops`` a matmul of ``size`` (``(M N K) ** (1/3)``) reaches: `matmul_curve` in
+        log size, clamped at its ends, or ``matmul_efficiency`` without one.
+
+        >>> from openhosti_jax.planner.profiles import PROFILES
+        >>> a100 = PROFILES["A100"]
+        >>> a100.gemm_efficiency(8192) == a100.matmul_efficiency, round(a100.gemm_efficiency(1024), 3)
+        (True, 0.264)
+        """
+        return _log_interp(self.matmul_curve, size) if self.matmul_curve else self.matmul_efficiency
+
+    def gemm_seconds(self, m: float, n: float, k: float) -> float:
+        """Seconds of one ``M x K`` by ``K x N`` matmul: ``2 M N K / (peak x gemm_efficiency((M N K) ** (1/3)))``."""
+        return 2.0 * m * n * k / (self.peak_flops * self.gemm_efficiency((m * n * k) ** (1 / 3)))
+
+    def link_seconds(self, kind: str, nbytes: float, n: int) -> float:
+        """Time of one collective inside a host at its message size: `collective_seconds`' bus bytes over
+        ``link_bandwidth x`` the `link_efficiency` of ``nbytes`` (never below the smallest measured message's
+        time), or `collective_seconds` where the profile has no such curve or a measured `link_curve`."""
+        if not self.link_efficiency or kind in self.link_curve or n <= 1 or nbytes <= 0:
+            return self.collective_seconds(kind, nbytes, n)
+        return curve_seconds(self.link_efficiency, bus_bytes(kind, 1.0, n), nbytes, self.link_bandwidth[kind])
+
     def memory_seconds(self, nbytes: float, working_set: float) -> float:
         """Time to stream ``nbytes`` of elementwise traffic on a device whose step touches ``working_set``
         bytes: at the bandwidth `memory_curve` gives for that working set, or ``memory_bandwidth``."""
@@ -161,6 +219,32 @@ def _interpolate(points: Sequence[tuple[float, float]], x: float) -> float:
     return float(max(ts[i] + slope * (x - xs[i]), ts[0] if x < xs[0] else 0.0, 1e-9))
 
 
+def _log_interp(points: Sequence[tuple[float, float]], x: float) -> float:
+    """``points``' second value at ``x``, linear in ``log x`` between points, clamped at the ends."""
+    xs = [p[0] for p in points]
+    if x <= xs[0]:
+        return points[0][1]
+    if x >= xs[-1]:
+        return points[-1][1]
+    i = bisect.bisect_right(xs, x) - 1
+    (x0, y0), (x1, y1) = points[i], points[i + 1]
+    return y0 + (y1 - y0) * math.log(x / x0) / math.log(x1 / x0)
+
+
+def curve_seconds(curve: Sequence[tuple[float, float]], bus_per_byte: float, nbytes: float, bandwidth: float) -> float:
+    """``bus_per_byte x nbytes`` bytes at ``bandwidth x`` the curve's fraction for ``nbytes``; a message smaller
+    than the curve's first costs what that one does (a collective costs at least its latency)."""
+    size = max(nbytes, curve[0][0])
+    return bus_per_byte * size / (bandwidth * _log_interp(curve, size))
+
+
+def _shape(points: Sequence[tuple[float, float]], over: float | None = None) -> tuple[tuple[float, float], ...]:
+    """Measured ``(size, value)`` points as ``(size, value / over)`` (default: over the last value, the curve's
+    asymptote): a curve's shape, to multiply a peak by."""
+    top = points[-1][1] if over is None else over
+    return tuple((x, v / top) for x, v in points)
+
+
 def _spec(
     name: str,
     *,
@@ -168,20 +252,24 @@ def _spec(
     fp8: float | None,
     hbm: int,
     hbm_bandwidth: float,
-    link: float,
+    link: float | Mapping[str, float],
     per_host: int,
     dcn: float,
     sources: tuple[str, ...],
     host_bandwidth: float = 32e9,
-    matmul_efficiency: float = 1.0,
+    matmul_curve: tuple[tuple[float, float], ...] = (),
+    link_efficiency: tuple[tuple[float, float], ...] = (),
+    dcn_efficiency: tuple[tuple[float, float], ...] = (),
 ) -> DeviceProfile:
-    """A spec-sheet profile: one link bandwidth for every collective kind, the compiler overlapping collectives with
-    compute (XLA's latency-hiding scheduler on GPU and TPU), 10 us per collective inside a host."""
+    """A spec-sheet profile: a link bandwidth per collective kind (one number: every kind), the compiler
+    overlapping collectives with compute (XLA's latency-hiding scheduler on GPU and TPU), 10 us per collective
+    inside a host where no measured `DeviceProfile.link_efficiency` prices it; the large-GEMM efficiency is the
+    top of ``matmul_curve``."""
     return DeviceProfile(
         name,
         bf16,
         hbm_bandwidth,
-        dict.fromkeys(COLLECTIVES, link),
+        link if isinstance(link, Mapping) else dict.fromkeys(COLLECTIVES, link),
         10e-6,
         hbm,
         host_bandwidth=host_bandwidth,
@@ -190,7 +278,10 @@ def _spec(
         overlap=True,
         fp8_flops=fp8,
         sources=sources,
-        matmul_efficiency=matmul_efficiency,
+        matmul_efficiency=matmul_curve[-1][1] if matmul_curve else 1.0,
+        matmul_curve=matmul_curve,
+        link_efficiency=link_efficiency,
+        dcn_efficiency=dcn_efficiency,
     )
 
 
@@ -216,10 +307,101 @@ _DGX_A100 = (
     "https://docs.nvidia.com/dgx/dgxa100-user-guide/introduction-to-dgxa100.html (DGX A100: 8 GPUs, 8 single-port "
     "ConnectX-6 200 Gb/s HDR InfiniBand for the compute fabric, one per GPU)"
 )
+_HOPPER_SHAPE = (
+    "; no size sweep published for H100 / H200 was found: A100's fall-off is taken on the same sizes, scaled to "
+    "the H100's large-GEMM 80.3% (Hopper's 132 SMs against A100's 108 need about sqrt(132/108) = 1.1x the side to "
+    "fill a wave of tiles, so small GEMMs may fall off somewhat earlier than this)"
+)
 _MAMF = (
     "https://github.com/stas00/ml-engineering/blob/master/compute/accelerator/README.md (Maximum Achievable Matmul "
     "FLOPS, bf16 torch matmul, best shape: H100 SXM 794.5 of 989 TFLOPS, 80.3%, 'H200 is the same'; A100 SXM 271.2 "
     "of 312, 86.9%)"
+)
+KiB, MiB = 2**10, 2**20
+_CUDA11_FIG6 = (
+    "https://developer.nvidia.com/blog/cuda-11-features-revealed/ (Figure 6, 'Mixed-precision matrix multiply on "
+    "A100 with cuBLAS', BF16 Tensor Core TFLOPS against m = n = k, read off the plot to about +-5 TFLOPS: 512 -> 28, "
+    "1024 -> 88, 2048 -> 195, 4096 -> 260, 8192 -> 290; reproduced in stas00/ml-engineering "
+    "compute/accelerator/README.md): the fall-off of small GEMMs, as a fraction of its 8192 value"
+)
+A100_GEMM_TFLOPS: tuple[tuple[float, float], ...] = ((512, 28), (1024, 88), (2048, 195), (4096, 260), (8192, 290))
+"""cuBLAS BF16 TFLOP/s of an ``m = n = k`` GEMM on A100 (`_CUDA11_FIG6`): the shape of the matmul curves."""
+_NCCL_H200 = (
+    "https://github.com/stas00/ml-engineering/blob/master/network/benchmarks/results/all-reduce-8xH200.md (8x H200 "
+    "SXM all_reduce bus bandwidth against payload, NCCL 2.27.7: 32 KiB 1.44 GB/s, 1 MiB 39.93, 16 MiB 219.89, "
+    "256 MiB 436.15, 1 GiB 463.58, 16 GiB 482.26 with NVLS: the shape of every kind's curve; every kind's "
+    "asymptote the ring's, 367.61 GB/s with NVLS off, 82% of 450 (all-gather 361.4 and reduce-scatter 362.9 at "
+    "16 GiB): NVLS speeds up the all-reduce alone, which a cross-host all-reduce runs as a reduce-scatter and an "
+    "all-gather in the host); NVIDIA/nccl-tests#212 (H100, 8 GPUs: 'NCCL can get an effective NVLink bandwidth of "
+    "370GB/s', '~480GB/s' with NVLS)"
+)
+H200_ALL_REDUCE_BUSBW: tuple[tuple[float, float], ...] = tuple(
+    (size, gbps * GB)
+    for size, gbps in (
+        (32 * KiB, 1.44),
+        (256 * KiB, 11.74),
+        (1 * MiB, 39.93),
+        (2 * MiB, 64.53),
+        (4 * MiB, 107.16),
+        (8 * MiB, 155.53),
+        (16 * MiB, 219.89),
+        (32 * MiB, 275.84),
+        (64 * MiB, 346.51),
+        (128 * MiB, 401.93),
+        (256 * MiB, 436.15),
+        (512 * MiB, 450.29),
+        (1 * GiB, 463.58),
+        (4 * GiB, 473.10),
+        (16 * GiB, 482.26),
+    )
+)
+"""8x H200 NVLink 4 all_reduce bus bandwidth (bytes/s) against payload bytes (`_NCCL_H200`)."""
+_NCCL_A100 = (
+    "https://github.com/stas00/ml-engineering/blob/master/network/README.md#real-network-throughput (8x A100 "
+    "nccl-tests all_reduce_perf -b 32k -e 16G -f 2 -g 8: busbw 1.31 GB/s at 32 KiB, 18.00 at 1 MiB, 106.16 at "
+    "16 MiB, 194.07 at 256 MiB, 229.04 at 1 GiB, 234.89 at 16 GiB, 78% of NVLink 3's 300; no NVLS on A100, so its "
+    "all-reduce is a ring, as fast as a ring all-gather or reduce-scatter: 367.2, 361.4, 362.9 GB/s on H200)"
+)
+A100_ALL_REDUCE_BUSBW: tuple[tuple[float, float], ...] = tuple(
+    (size, gbps * GB)
+    for size, gbps in (
+        (32_768, 1.31),
+        (1_048_576, 18.00),
+        (4_194_304, 72.33),
+        (16_777_216, 106.16),
+        (67_108_864, 171.54),
+        (268_435_456, 194.07),
+        (1_073_741_824, 229.04),
+        (4_294_967_296, 233.88),
+        (17_179_869_184, 234.89),
+    )
+)
+"""8x A100 NVLink 3 all_reduce bus bandwidth (bytes/s) against payload bytes (`_NCCL_A100`)."""
+_NCCL_4_NODES = (
+    "https://github.com/stas00/ml-engineering (network/README.md, 'Inter-node speed depends on intra-node speed': "
+    "4 nodes x 8 B200, one 400 Gb/s EFA NIC (50 GB/s) per GPU, all_reduce; per-accelerator NIC rate = busbw "
+    "(k-1)/(n-1) = busbw 3/31: 1 MiB 5.37 GB/s busbw, 16 MiB 6.24 GB/s per NIC (12.5% of 50), 256 MiB 22.17 "
+    "(44.3%), 1 GiB 35.03 (70.1%), 4 GiB 377.34 busbw, 16 GiB 36.95 (73.9%)); each point's size here is the "
+    "payload over the node's 8 GPUs, what each device sends across nodes. Measured on B200 / EFA, the one "
+    "published multi-node curve found; taken for every GPU's NIC (NVIDIA/nccl-tests#290: 46-48 GB/s per 400 Gb/s "
+    "NIC in a two-node ring, a simpler pattern)"
+)
+NIC_FRACTION_4_NODES: tuple[tuple[float, float], ...] = tuple(
+    (payload / 8, per_nic / 50)
+    for payload, per_nic in (
+        (1 * MiB, 5.37 * 3 / 31),
+        (16 * MiB, 6.24),
+        (256 * MiB, 22.17),
+        (1 * GiB, 35.03),
+        (4 * GiB, 377.34 * 3 / 31),
+        (16 * GiB, 36.95),
+    )
+)
+"""Fraction of a 400 Gb/s NIC's 50 GB/s that a 4-node all_reduce's cross-node step reaches against the bytes
+each GPU sends across nodes (`_NCCL_4_NODES`)."""
+_NO_TPU_CURVES = (
+    "TPU: no published GEMM-size or collective message-size curve found (MaxText's MFUs are end-to-end, not GEMM "
+    "curves): matmuls at the bf16 peak, collectives on the alpha-beta line of the ICI / DCN spec"
 )
 PROFILES: dict[str, DeviceProfile] = {
     # Per device: bf16 and fp8/int8 dense peak, HBM size and bandwidth, the intra-host link one way (NVLink's
@@ -229,41 +411,47 @@ PROFILES: dict[str, DeviceProfile] = {
     # devices report (an H100's 80 GB is 80 GiB).
     "H100": _spec(
         "H100",
-        matmul_efficiency=0.803,
+        matmul_curve=_shape(A100_GEMM_TFLOPS, over=290 / 0.803),
         bf16=989e12,
         fp8=1979e12,
         hbm=80 * GiB,
         hbm_bandwidth=3.35e12,
-        link=450 * GB,
+        link=367.61 * GB,
+        link_efficiency=_shape(H200_ALL_REDUCE_BUSBW),
         per_host=8,
         dcn=50 * GB,
+        dcn_efficiency=NIC_FRACTION_4_NODES,
         host_bandwidth=55e9,
-        sources=(_H100, _DGX_H100, _MAMF),
+        sources=(_H100, _DGX_H100, _MAMF, _CUDA11_FIG6 + _HOPPER_SHAPE, _NCCL_H200, _NCCL_4_NODES),
     ),
     "H200": _spec(
         "H200",
-        matmul_efficiency=0.803,
+        matmul_curve=_shape(A100_GEMM_TFLOPS, over=290 / 0.803),
         bf16=989e12,
         fp8=1979e12,
         hbm=141 * GiB,
         hbm_bandwidth=4.8e12,
-        link=450 * GB,
+        link=367.61 * GB,
+        link_efficiency=_shape(H200_ALL_REDUCE_BUSBW),
         per_host=8,
         dcn=50 * GB,
+        dcn_efficiency=NIC_FRACTION_4_NODES,
         host_bandwidth=55e9,
-        sources=(_H200, _DGX_H100, _MAMF),
+        sources=(_H200, _DGX_H100, _MAMF, _CUDA11_FIG6 + _HOPPER_SHAPE, _NCCL_H200, _NCCL_4_NODES),
     ),
     "A100": _spec(
         "A100",
-        matmul_efficiency=0.869,
+        matmul_curve=_shape(A100_GEMM_TFLOPS, over=290 / 0.869),
         bf16=312e12,
         fp8=None,
         hbm=80 * GiB,
         hbm_bandwidth=2.039e12,
-        link=300 * GB,
+        link=234.89 * GB,
+        link_efficiency=_shape(A100_ALL_REDUCE_BUSBW),
         per_host=8,
         dcn=25 * GB,
-        sources=(_A100, _DGX_A100, _MAMF),
+        dcn_efficiency=NIC_FRACTION_4_NODES,
+        sources=(_A100, _DGX_A100, _MAMF, _CUDA11_FIG6, _NCCL_A100, _NCCL_4_NODES),
     ),
     "TPU v4": _spec(
         "TPU v4",
@@ -278,6 +466,7 @@ PROFILES: dict[str, DeviceProfile] = {
             "https://cloud.google.com/tpu/docs/v4 (bf16 and int8 275 TFLOPS, 32 GiB HBM2 at 1,200 GB/s, 4 chips per "
             "host, 3D torus of 6 ICI links of 400 Gb/s each way: 300 GB/s)",
             "DCN per chip not published for v4: v5p's 50 Gb/s per chip taken",
+            _NO_TPU_CURVES,
         ),
     ),
     "TPU v5e": _spec(
@@ -293,6 +482,7 @@ PROFILES: dict[str, DeviceProfile] = {
             "https://cloud.google.com/tpu/docs/v5e (bf16 197 TFLOPS, int8 393 TOPS, 16 GB HBM2 at 819 GB/s, ICI "
             "1,600 Gb/s per chip, 8 chips per host, 2D torus)",
             "https://cloud.google.com/tpu/docs/v6e (v5e per-host NICs 2 x 100 Gb/s for 8 chips: 25 Gb/s per chip)",
+            _NO_TPU_CURVES,
         ),
     ),
     "TPU v5p": _spec(
@@ -307,6 +497,7 @@ PROFILES: dict[str, DeviceProfile] = {
         sources=(
             "https://cloud.google.com/tpu/docs/v5p (bf16 and fp8 459 TFLOPS, 95 GiB HBM at 2,765 GB/s, bidirectional "
             "ICI 1,200 GB/s per chip, DCN 50 Gb/s per chip, 4 chips per host, 3D torus)",
+            _NO_TPU_CURVES,
         ),
     ),
     "TPU v6e": _spec(
@@ -321,6 +512,7 @@ PROFILES: dict[str, DeviceProfile] = {
         sources=(
             "https://cloud.google.com/tpu/docs/v6e (bf16 918 TFLOPS, int8 1,836 TOPS, 32 GB HBM at 1,640 GB/s, "
             "bidirectional ICI 800 GB/s per chip, 8 chips per host, 4 x 200 Gb/s NICs per host, 2D torus)",
+            _NO_TPU_CURVES,
         ),
     ),
 }

@@ -28,7 +28,7 @@ import optax
 from jax.extend.core import Literal
 
 from openhosti_jax.errors import BatchError
-from openhosti_jax.flops import count_flops
+from openhosti_jax.flops import count_flops, dot_flops
 from openhosti_jax.planner.propagate import propagate
 from openhosti_jax.policies.remat import RECOMPUTE_FRACTION
 from openhosti_jax.sharding.rules import LAYER_AXIS, logical_names, unbox
@@ -152,6 +152,30 @@ class Workload:
         recompute = max((kept.bytes_per_example if kept else saved) - saved, 0.0) / max(blocks, 1)
         return PolicyActivations(saved + recompute, 1.0 + RECOMPUTE_FRACTION[remat])
 
+    def gemm_sizes(self) -> tuple[tuple[float, float], ...]:
+        """``(M N K of one call at batch size 1, its share of the matmul FLOPs)`` for every matmul of the traced step,
+        equal sizes merged (each ``dot_general``, batch dims in its ``M N K``, a scan body's once per trip, of a
+        ``cond`` the most expensive branch); empty without a trace. A training step's matmuls each carry the batch
+        in one dim (tokens in M; in K for a weight gradient), so at ``b`` examples one call's ``M N K`` is ``b``
+        times this, and its backward's two matmuls have the same ``M N K``.
+
+        >>> import jax, jax.numpy as jnp
+        >>> from flax import nnx
+        >>> w = workload(nnx.Linear(256, 512, rngs=nnx.Rngs(0)), jax.ShapeDtypeStruct((8, 256), jnp.float32))
+        >>> w.gemm_sizes()  # one example's 1 x 256 by 256 x 512
+        ((131072.0, 1.0),)
+        """
+        if self.jaxpr is None:
+            return ()
+
+        def walk() -> tuple[tuple[float, float], ...]:
+            sizes: dict[float, float] = {}
+            _gemms(self.jaxpr, 1.0, sizes)
+            total = sum(sizes.values())
+            return tuple((mnk, f / total) for mnk, f in sorted(sizes.items())) if total else ()
+
+        return self.memo(("gemms",), walk)
+
     def tensor_split(self, param_dims: tuple[int | None, ...], t: int) -> TensorSplit:
         """What splitting parameter leaf ``i`` over a tensor axis of size ``t`` along dim ``param_dims[i]``
         (None: replicated) does to the activations and matmuls."""
@@ -177,6 +201,21 @@ class PolicyActivations(NamedTuple):
     """Step FLOPs over the FLOPs without remat (recomputation)."""
     host_bytes_per_example: float = 0.0
     """Activation bytes per example moved to host memory and back (remat ``"offload"``)."""
+
+
+def _gemms(jaxpr: Any, trips: float, sizes: dict[float, float]) -> None:
+    """Add each ``dot_general`` of ``jaxpr`` run ``trips`` times to ``sizes`` (M N K of one call -> FLOPs)."""
+    for eqn in jaxpr.eqns:
+        subs = [getattr(s, "jaxpr", s) for s in _sub_jaxprs(eqn)]
+        if subs:
+            if eqn.primitive.name in ("cond", "switch"):
+                subs = [max(subs, key=lambda j: count_flops(j, matmul_only=True))]
+            inner = trips * (eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1)
+            for sub in subs:
+                _gemms(sub, inner, sizes)
+        elif eqn.primitive.name == "dot_general":
+            flops = dot_flops(eqn)
+            sizes[flops / 2] = sizes.get(flops / 2, 0.0) + flops * trips
 
 
 def remat_blocks(jaxpr: Any) -> int:

@@ -1,0 +1,129 @@
+"""The profiles' achievable-efficiency curves against the published points they cite: matmul efficiency against GEMM
+size (NVIDIA's cuBLAS A100 sweep scaled to stas00's large-GEMM MAMF), collective bus bandwidth against message size
+(nccl-tests tables), and the cost model pricing each matmul and message on them."""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from openhosti_jax.errors import PlanningError
+from openhosti_jax.models.gpt import GPT, GPTConfig
+from openhosti_jax.planner.cluster import Cluster
+from openhosti_jax.planner.cost import estimate, matmul_efficiency
+from openhosti_jax.planner.profiles import (
+    A100_ALL_REDUCE_BUSBW,
+    A100_GEMM_TFLOPS,
+    H200_ALL_REDUCE_BUSBW,
+    NIC_FRACTION_4_NODES,
+    PROFILES,
+    bus_bytes,
+)
+from openhosti_jax.planner.workload import workload
+from openhosti_jax.sharding.plan import ShardingPlan
+
+GPUS = {"A100": 0.869, "H100": 0.803, "H200": 0.803}  # stas00's MAMF: large-GEMM fraction of the bf16 peak
+
+
+@pytest.mark.parametrize("name", sorted(GPUS))
+def test_matmul_curve_returns_its_cited_points_and_is_monotone_between_them(name):
+    p = PROFILES[name]
+    for size, tflops in A100_GEMM_TFLOPS:  # NVIDIA's cuBLAS sweep, as a fraction of its 8192 value, x the MAMF
+        assert p.gemm_efficiency(size) == pytest.approx(GPUS[name] * tflops / 290, rel=1e-12)
+    assert p.matmul_efficiency == p.gemm_efficiency(1e6) == pytest.approx(GPUS[name])  # large GEMMs: the MAMF
+    assert p.gemm_efficiency(1) == p.gemm_efficiency(512)  # clamped at the smallest cited size
+    sizes = np.geomspace(256, 16384, 200)
+    effs = [p.gemm_efficiency(s) for s in sizes]
+    assert all(b >= a for a, b in zip(effs, effs[1:], strict=False))
+    # between two cited points: linear in log size
+    lo, hi = A100_GEMM_TFLOPS[1], A100_GEMM_TFLOPS[2]
+    mid = math.sqrt(lo[0] * hi[0])
+    assert p.gemm_efficiency(mid) == pytest.approx(GPUS[name] * (lo[1] + hi[1]) / 2 / 290)
+    # one GEMM's time: its FLOPs over the peak at the efficiency of its equal-work cube's side
+    m, n, k = 2048, 6912, 2304
+    side = (m * n * k) ** (1 / 3)
+    assert p.gemm_seconds(m, n, k) == pytest.approx(2 * m * n * k / (p.peak_flops * p.gemm_efficiency(side)))
+
+
+def test_tpu_profiles_have_no_curves_and_say_so():
+    for name in ("TPU v4", "TPU v5e", "TPU v5p", "TPU v6e"):
+        p = PROFILES[name]
+        assert not (p.matmul_curve or p.link_efficiency or p.dcn_efficiency)
+        assert p.gemm_efficiency(64) == p.matmul_efficiency == 1.0
+        assert any("no published GEMM-size" in s for s in p.sources)
+
+
+@pytest.mark.parametrize(("name", "table"), [("A100", A100_ALL_REDUCE_BUSBW), ("H100", H200_ALL_REDUCE_BUSBW)])
+def test_link_efficiency_returns_the_nccl_tests_bus_bandwidth_shape(name, table):
+    """At each payload nccl-tests measured, an 8-device all-reduce moves its bus bytes at the link's asymptote x
+    the measured bus bandwidth over the table's largest; A100's asymptote is the table's own, so its times are
+    nccl-tests' (101.9 us at 1 MiB, 276.6 us at 16 MiB)."""
+    p = PROFILES[name]
+    top = table[-1][1]
+    for size, busbw in table:
+        want = bus_bytes("all_reduce", size, 8) / (p.link_bandwidth["all_reduce"] * busbw / top)
+        assert p.link_seconds("all_reduce", size, 8) == pytest.approx(want, rel=1e-12)
+    if name == "A100":
+        assert p.link_seconds("all_reduce", 2**20, 8) == pytest.approx(101.9e-6, rel=2e-3)
+        assert p.link_seconds("all_reduce", 2**24, 8) == pytest.approx(276.6e-6, rel=2e-3)
+    # below the smallest measured payload a collective costs what that one does (its latency)
+    assert p.link_seconds("all_gather", 100, 8) == p.link_seconds("all_gather", table[0][0], 8)
+    # bandwidth never falls as the message grows
+    sizes = np.geomspace(table[0][0], table[-1][0], 100)
+    bw = [bus_bytes("all_gather", s, 8) / p.link_seconds("all_gather", s, 8) for s in sizes]
+    assert all(b >= a * (1 - 1e-12) for a, b in zip(bw, bw[1:], strict=False))
+
+
+def test_dcn_efficiency_is_the_4_node_nic_rate():
+    """stas00's 4 x 8 B200 all-reduce, per-accelerator NIC rate = busbw (k-1)/(n-1): at a 1 GiB payload each GPU
+    sends 128 MiB across nodes at 35.03 of its NIC's 50 GB/s (70.1%)."""
+    p = PROFILES["H100"]
+    assert dict(NIC_FRACTION_4_NODES)[2**30 / 8] == pytest.approx(0.7006)
+    c = Cluster(p, 4, 8)
+    mesh = {"stage": 1, "data": 4, "fsdp": 8, "tensor": 1}
+    assert c.dcn_seconds("all_reduce", 2**27, 4) == pytest.approx(bus_bytes("all_reduce", 2**27, 4) / 35.03e9)
+    assert c.collective_seconds("all_gather", 2**27, mesh, ("data",)) == c.dcn_seconds("all_gather", 2**27, 4)
+
+
+def test_a_curve_that_falls_is_refused():
+    p = PROFILES["A100"]
+    with pytest.raises(PlanningError, match="matmul_curve"):
+        dataclasses.replace(p, matmul_curve=((512, 0.5), (1024, 0.4)))
+    with pytest.raises(PlanningError, match="matmul_curve"):
+        dataclasses.replace(p, matmul_curve=((512, 0.5), (1024, 1.2)))
+    with pytest.raises(PlanningError, match="link_efficiency"):
+        dataclasses.replace(p, link_efficiency=((2.0, 0.5), (1.0, 1.0)))
+
+
+def test_the_cost_model_prices_each_matmul_at_its_size():
+    """One 1024 x 1024 layer on 1024 examples: three 1024^3 GEMMs (forward, two backward) at the A100 curve's
+    1024 point, 0.869 x 88 / 290 of 312 TFLOP/s; split over a tensor axis of 8, each device's GEMMs are an eighth as
+    large, at the curve's efficiency for that size."""
+    a100 = PROFILES["A100"]
+    layer = nnx.Linear(1024, 1024, use_bias=False, rngs=nnx.Rngs(0))
+    w = workload(layer, jax.ShapeDtypeStruct((1024, 1024), jnp.float32))
+    assert w.gemm_sizes() == ((1024.0**2, 1.0),)  # one example: 1 x 1024 by 1024 x 1024
+    tx = optax.sgd(0.1)
+    plan = ShardingPlan.from_zero(w.params, tx, {"data": 1}, 0)
+    compute = estimate(plan, w, tx, Cluster(a100, 1, 1)).time["compute"]
+    assert compute == pytest.approx(3 * 2 * 1024**3 / (a100.peak_flops * 0.869 * 88 / 290), rel=1e-6)
+    split = matmul_efficiency(w, a100, 1024, 8, 1.0)
+    assert split == pytest.approx(a100.gemm_efficiency(512), rel=1e-9)  # 1024^3 / 8 = 512^3
+    half = matmul_efficiency(w, a100, 1024, 8, 0.5)  # time-weighted: FLOPs over the sum of each part's time
+    whole, eighth = a100.gemm_efficiency(1024), a100.gemm_efficiency(512)
+    assert half == pytest.approx((0.5 + 0.5 / 8) / (0.5 / whole + 0.5 / 8 / eighth))
+
+
+def test_a_scanned_transformer_lists_its_gemms_once_per_layer():
+    cfg = GPTConfig(n_layers=3, d_model=128, n_heads=4, seq_len=64, vocab_size=256, scan_layers=True)
+    w = workload(lambda r: GPT(cfg, rngs=nnx.Rngs(r)), jax.ShapeDtypeStruct((2, 64), jnp.int32))
+    sizes = dict(w.gemm_sizes())
+    assert sum(sizes.values()) == pytest.approx(1.0)
+    # the MLP's two 64 tokens x 128 x 512 (4h) matmuls in each of 3 layers, of one example's forward matmul FLOPs
+    mlp = 64 * 128 * 512
+    assert sizes[mlp] == pytest.approx(3 * 2 * 2 * mlp / (w.flops_per_example / 3), rel=1e-9)
