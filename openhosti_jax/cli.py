@@ -102,12 +102,18 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     from openhosti_jax.mesh import MeshConfig, build_mesh
     from openhosti_jax.models.gpt import GPTConfig
-    from openhosti_jax.models.gpt_job import GPTJob, build_job
+    from openhosti_jax.models.gpt_job import GPTJob, build_job, kept_plan, plan_meta
     from openhosti_jax.report.memory import plan_record
-    from openhosti_jax.report.rundir import METRICS, PLAN_JSON, PLAN_TXT, write_json
+    from openhosti_jax.report.rundir import LOG, METRICS, PLAN_JSON, PLAN_TXT, write_json
     from openhosti_jax.train import Trainer, TrainerCheckpoint
+    from openhosti_jax.train.logs import log_to_file
+    from openhosti_jax.train.profiling import ProfileWindow
+    from openhosti_jax.train.writers import TensorBoardWriter
 
     run_dir = args.run_dir
+    if (args.tensorboard or args.profile_steps) and not run_dir:
+        raise UsageError("--tensorboard and --profile-steps write into --run-dir; give one")
+    profile = ProfileWindow.parse(args.profile_steps, os.path.join(run_dir, "profile")) if args.profile_steps else None
     metrics = args.metrics or (os.path.join(run_dir, METRICS) if run_dir else None)
     ckpt_dir = args.checkpoint_dir or (os.path.join(run_dir, "checkpoints") if run_dir and args.checkpoint else None)
     model = GPTConfig.tiny(seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers)
@@ -122,9 +128,16 @@ def cmd_train(args: argparse.Namespace) -> int:
         metrics_path=metrics,
         progress=not args.no_progress,
         print_plan=False,
+        replan=args.replan,
     )
+    checkpoint = TrainerCheckpoint(os.path.abspath(ckpt_dir), every_steps=args.checkpoint_every) if ckpt_dir else None
+    keep, note = kept_plan(checkpoint, job)
     mesh = build_mesh(MeshConfig(data=1, fsdp=-1), devices)
-    state, _, step, data = build_job(job, mesh)
+    state, plan, step, data = build_job(job, mesh, keep)
+    if note:
+        step.report.record(note)
+    if checkpoint is not None:
+        checkpoint.meta.update(plan_meta(plan))
     text = str(step.report)
     print(text)
     if run_dir:
@@ -133,12 +146,22 @@ def cmd_train(args: argparse.Namespace) -> int:
         batch = {"tokens": jax.ShapeDtypeStruct((job.global_batch, model.seq_len), jax.numpy.int32)}
         compiled = step.lower(state, batch).compile()
         write_json(run_dir, PLAN_JSON, plan_record(step.report, state, compiled))
-    checkpoint = None
-    if ckpt_dir:
-        checkpoint = TrainerCheckpoint(os.path.abspath(ckpt_dir), every_steps=args.checkpoint_every)
-    result = Trainer(step, metrics_path=metrics, progress=job.progress, checkpoint=checkpoint).fit(
-        state, data, num_steps=job.steps
+    writers = [TensorBoardWriter(os.path.join(run_dir, "tensorboard"))] if args.tensorboard else []
+    trainer = Trainer(
+        step,
+        metrics_path=metrics,
+        writers=writers,
+        progress=job.progress,
+        log_every=args.log_every,
+        checkpoint=checkpoint,
+        learning_rate=job.learning_rate,
+        profile=profile,
     )
+    if run_dir:
+        with log_to_file(os.path.join(run_dir, LOG)):
+            result = trainer.fit(state, data, num_steps=job.steps)
+    else:
+        result = trainer.fit(state, data, num_steps=job.steps)
     if run_dir and checkpoint is not None:
         from openhosti_jax.report.rundir import CHECKPOINTS, append_jsonl
 
@@ -147,6 +170,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     losses = [h["loss"] for h in result.history]
     if losses:
         print(f"trained {len(losses)} steps: loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+    elif not result.interrupted:
+        print(f"nothing to train: the checkpoint already reached {job.steps} steps (raise --steps)")
     if run_dir:
         print(f"run directory: {run_dir} (draw it with `openhosti report {run_dir}`)")
     return EXIT_INTERRUPTED if result.interrupted else EXIT_OK
@@ -271,8 +296,15 @@ def cmd_launch(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     """Run a command, restarting it when it fails (it resumes from its latest checkpoint)."""
     run_with_restarts = _import("openhosti_jax.checkpoint", "run_with_restarts")
-    kw = {} if args.backoff_s is None else {"backoff_s": args.backoff_s}
-    rc = run_with_restarts(_command(args), max_restarts=args.max_restarts, **kw)
+    given = {"backoff_s": args.backoff_s, "backoff_factor": args.backoff_factor, "max_backoff_s": args.max_backoff_s}
+    given["reset_after_s"] = args.reset_after_s
+    kw = {k: v for k, v in given.items() if v is not None}
+    from openhosti_jax.errors import CheckpointError
+
+    try:
+        rc = run_with_restarts(_command(args), max_restarts=args.max_restarts, **kw)
+    except CheckpointError as e:  # raised only for bad arguments, before anything runs
+        raise UsageError(str(e)) from e
     return EXIT_OK if rc == 0 else EXIT_FAILURE
 
 
@@ -309,6 +341,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate (default 3e-3)")
     t.add_argument("--seed", type=int, default=0, help="init / data seed (default 0)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.add_argument("--log-every", type=int, default=10, help="fetch and write metrics every N steps (default 10)")
+    t.add_argument("--tensorboard", action="store_true", help="also write TensorBoard events to RUN_DIR/tensorboard")
+    t.add_argument("--profile-steps", help="FIRST:LAST: a jax.profiler trace of those steps in RUN_DIR/profile")
+    t.add_argument("--replan", action="store_true", help="on resume, plan again instead of keeping the saved plan")
     _device_flags(t)
     t.set_defaults(handler=cmd_train)
 
@@ -399,10 +435,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="run a command with restarts on failure",
         epilog=_EPILOG,
         formatter_class=fmt,
-        description="openhosti run -- python train.py   (restarts resume from checkpoints)",
+        description="openhosti run -- python train.py   (restarts resume from checkpoints)\n\n"
+        "Restarts the command until it exits 0 or the restarts run out, waiting longer each time; a SIGTERM or\n"
+        "SIGINT is passed on to it and ends the supervision. Cluster use: around `srun` in\n"
+        "examples/slurm/train_gpt.sbatch, around each pod's process in examples/k8s/jobset.yaml.",
     )
     ru.add_argument("--max-restarts", type=int, default=3, help="restarts before giving up (default 3)")
-    ru.add_argument("--backoff-s", type=float, default=None, help="seconds to wait before a restart")
+    ru.add_argument("--backoff-s", type=float, default=None, help="seconds before the first restart (default 5)")
+    ru.add_argument("--backoff-factor", type=float, default=None, help="each wait is this times the last (default 2)")
+    ru.add_argument("--max-backoff-s", type=float, default=None, help="longest wait in seconds (default 300)")
+    ru.add_argument(
+        "--reset-after-s",
+        type=float,
+        default=None,
+        help="a run this long before failing resets the restart count and backoff (default: never)",
+    )
     ru.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the command to run")
     ru.set_defaults(handler=cmd_run)
     parser.epilog = _EPILOG

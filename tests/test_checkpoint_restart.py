@@ -58,3 +58,34 @@ def test_backoff_grows_geometrically(tmp_path):
 def test_bad_arguments_raise(kwargs):
     with pytest.raises(CheckpointError):
         run_with_restarts(**kwargs)
+
+
+SLOW_FAIL = """
+import os, sys, time
+with open(sys.argv[1], "a") as f:
+    f.write(os.environ["{env}"] + "\\n")
+if len(open(sys.argv[1]).read().split()) <= int(sys.argv[2]):
+    time.sleep(float(sys.argv[3]))
+    sys.exit(5)
+""".replace("{env}", RESTART_ENV)
+
+
+@pytest.mark.timeout(60)
+def test_failures_after_a_long_healthy_run_do_not_use_up_the_restarts(tmp_path):
+    def run(log, **kw):
+        return run_with_restarts([sys.executable, "-c", SLOW_FAIL, str(log), "3", "0.5"], backoff_s=0.0, **kw)
+
+    assert run(tmp_path / "a", max_restarts=1) == 5  # 3 failures, 1 restart allowed
+    assert (tmp_path / "a").read_text().split() == ["0", "1"]
+    assert run(tmp_path / "b", max_restarts=1, reset_after_s=0.3) == 0  # each failure came after 0.5 s of running
+    assert (tmp_path / "b").read_text().split() == ["0", "1", "2", "3"]
+    assert run(tmp_path / "c", max_restarts=1, reset_after_s=30) == 5  # too short to count as healthy
+
+
+def test_cli_run_passes_the_backoff_options_and_rejects_bad_ones(tmp_path):
+    from openhosti_jax.cli import main
+
+    cmd = ["--", sys.executable, "-c", SLOW_FAIL, str(tmp_path / "log"), "2", "0.3"]
+    assert main(["run", "--max-restarts", "1", "--backoff-s", "0", "--reset-after-s", "0.1", *cmd]) == 0
+    assert main(["run", "--backoff-factor", "0.5", *cmd]) == 2  # a usage error, before anything runs
+    assert main(["run", "--reset-after-s", "0", *cmd]) == 2

@@ -41,6 +41,14 @@ def test_every_process_gets_its_id_the_coordinator_and_devices_and_prefixed_logs
     assert {r[4] for r in rows} == {"--xla_foo=1 --xla_force_host_platform_device_count=4"}
 
 
+def test_child_env_gives_one_launchers_variables_and_drops_inherited_ones():
+    inherited = {"SLURM_JOB_ID": "9", "RANK": "3", "OPENHOSTI_PROCESS_ID": "7", "PATH": "/bin"}
+    env = child_env(1, 2, "127.0.0.1:61500", 2, inherited, launcher="openmpi")
+    assert not {"SLURM_JOB_ID", "RANK", "OPENHOSTI_PROCESS_ID"} & set(env) and env["PATH"] == "/bin"
+    assert (env["OMPI_COMM_WORLD_RANK"], env["OMPI_COMM_WORLD_SIZE"]) == ("1", "2")
+    assert env["XLA_FLAGS"] == "--xla_force_host_platform_device_count=2"
+
+
 def test_child_env_leaves_the_platform_alone_without_local_devices():
     env = child_env(1, 2, "127.0.0.1:5", None, {"XLA_FLAGS": "--a", "PATH": "/bin"})
     assert env["XLA_FLAGS"] == "--a" and "JAX_PLATFORMS" not in env
@@ -103,6 +111,7 @@ def test_timeout_stops_everything():
         ([PY], {"port": 70000}, "port"),
         ([PY], {"kill_grace_s": -1}, "kill_grace_s"),
         ([PY], {"timeout_s": 0}, "timeout_s"),
+        ([PY], {"launcher": "pbs"}, "launcher"),
     ],
 )
 def test_bad_arguments_raise_a_typed_error_naming_the_argument(args, kw, needle):

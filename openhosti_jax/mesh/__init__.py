@@ -3,19 +3,21 @@
 from openhosti_jax.mesh.barrier import agree, barrier
 from openhosti_jax.mesh.build import build_mesh, mesh_sizes
 from openhosti_jax.mesh.config import AXES, BATCH_AXES, MeshConfig
-from openhosti_jax.mesh.distributed import initialize_distributed
+from openhosti_jax.mesh.distributed import LaunchInfo, detect_launch, initialize_distributed
 from openhosti_jax.mesh.launch import launch_local
 from openhosti_jax.mesh.memory import agree_across_processes, budget_from_devices, device_memory_limit
 
 __all__ = [
     "AXES",
     "BATCH_AXES",
+    "LaunchInfo",
     "MeshConfig",
     "agree",
     "agree_across_processes",
     "barrier",
     "budget_from_devices",
     "build_mesh",
+    "detect_launch",
     "device_memory_limit",
     "initialize_distributed",
     "launch_local",
