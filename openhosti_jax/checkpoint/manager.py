@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
 from openhosti_jax.checkpoint.checksums import (
@@ -161,6 +162,8 @@ class CheckpointManager:
         every_minutes, every_steps, keep: the `SavePolicy`.
         replicate_to: a second location that receives a copy of every good step, in the background.
         async_save: ``False`` makes every save synchronous (the call returns once the step is committed).
+        agree_every: with several processes, time- and signal-triggered saves are decided together at steps
+            divisible by this (a tiny all-gather there); step-count saves need no agreement.
     """
 
     def __init__(
@@ -172,8 +175,11 @@ class CheckpointManager:
         keep: int | None = 3,
         replicate_to: str | os.PathLike[str] | None = None,
         async_save: bool = True,
+        agree_every: int = 10,
     ) -> None:
         self.policy = SavePolicy(every_minutes=every_minutes, every_steps=every_steps, keep=keep)
+        if not (isinstance(agree_every, int) and agree_every >= 1):
+            raise CheckpointError(f"expected agree_every to be an int >= 1, found {agree_every!r}")
         self.directory = epath.Path(directory)
         self.replicate_to = None if replicate_to is None else epath.Path(replicate_to)
         self._mgr = _orbax_manager(self.directory, async_save=async_save, read_only=False)
@@ -185,6 +191,9 @@ class CheckpointManager:
         self._hurry = threading.Event()
         self._last_save = time.monotonic()
         self._signal: int | None = None
+        self._decided: tuple[int, tuple[bool, bool]] | None = None
+        self.agree_every = agree_every
+        """With several processes, time- and signal-triggered saves are agreed at steps divisible by this."""
         self._old_handlers: dict[int, Any] = {}
         self.preempted = False
         self.restored_step: int | None = None
@@ -208,8 +217,8 @@ class CheckpointManager:
         After a signal-triggered save this waits for the commit and sets `preempted`.
         """
         step = int(step)
-        signalled = self._signal is not None
-        if not (force or signalled or self.policy.due(step, time.monotonic() - self._last_save)):
+        scheduled, signalled = self._decide(step)
+        if not (force or scheduled):
             return False
         if step in self._started or step in _good_steps(self.directory):
             return False
@@ -303,11 +312,32 @@ class CheckpointManager:
 
     def due(self, step: int) -> bool:
         """Whether `maybe_save` would save ``step`` now: the policy's schedule or a signal says so (a step already
-        saved or being saved is not due)."""
+        saved or being saved is not due). Every process gets the same answer (`_decide`)."""
         step = int(step)
-        if self._signal is None and not self.policy.due(step, time.monotonic() - self._last_save):
+        if not self._decide(step)[0]:
             return False
         return step not in self._started and step not in _good_steps(self.directory)
+
+    def _decide(self, step: int) -> tuple[bool, bool]:
+        """(save ``step``, a signal asked for it): the same on every process. Step counts are the same everywhere;
+        clocks and signals are not, so with several processes the time and signal part is decided only at steps
+        divisible by ``agree_every`` and there by all of them together (any process's clock or signal counts).
+        Deciding alone, one process would enter Orbax's save while another entered the next step's collective,
+        and the job would hang. Cached per step: ``due`` and ``maybe_save`` of one step agree once."""
+        if self._decided is not None and self._decided[0] == step:
+            return self._decided[1]
+        by_steps = self.policy.due_by_steps(step)
+        signalled = self._signal is not None
+        timed = signalled or self.policy.due_by_time(time.monotonic() - self._last_save)
+        if jax.process_count() > 1:
+            if step % self.agree_every:
+                timed = signalled = False
+            else:
+                flags = multihost_utils.process_allgather(np.array([timed, signalled], np.int32))
+                timed, signalled = (bool(f) for f in np.asarray(flags).reshape(-1, 2).any(axis=0))
+        decision = (by_steps or timed, signalled)
+        self._decided = (step, decision)
+        return decision
 
     def wait(self) -> None:
         """Block until every started save is committed, checksummed (process 0: by every process) and replicated."""

@@ -38,6 +38,12 @@ class SavePolicy:
 
     def due(self, step: int, seconds_since_save: float) -> bool:
         """Whether ``step`` should be saved, ``seconds_since_save`` after the previous save."""
-        by_steps = self.every_steps is not None and step % self.every_steps == 0
-        by_time = self.every_minutes is not None and seconds_since_save >= 60.0 * self.every_minutes
-        return by_steps or by_time
+        return self.due_by_steps(step) or self.due_by_time(seconds_since_save)
+
+    def due_by_steps(self, step: int) -> bool:
+        """Whether the step count asks for a save of ``step``."""
+        return self.every_steps is not None and step % self.every_steps == 0
+
+    def due_by_time(self, seconds_since_save: float) -> bool:
+        """Whether the clock asks for a save, ``seconds_since_save`` after the previous one."""
+        return self.every_minutes is not None and seconds_since_save >= 60.0 * self.every_minutes
