@@ -113,11 +113,6 @@ class TrainerCheckpoint:
             self.save_times.append((step, time.perf_counter() - t0))
         return saved
 
-    def maybe_save(self, step: int, state: Any, data_iter: Any) -> bool:
-        """Save if due; return True when the run must stop (a SIGTERM-forced save has committed)."""
-        self.save(step, state, data_iter)
-        return self.manager.preempted
-
     def finish(self, step: int, state: Any, data_iter: Any, meta: dict[str, Any] | None = None) -> None:
         """Save the final step (unless already saved), wait for every save to commit, release the manager."""
         try:

@@ -334,6 +334,8 @@ class Trainer:
                     w.write(record)
             bar.set_postfix_str(self._postfix(result.history[-1]))
             pending.clear()
+            bar.n = applied  # skipped steps were counted when dispatched
+            bar.refresh()
             return False
 
         try:
