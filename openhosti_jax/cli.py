@@ -102,7 +102,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     from openhosti_jax.mesh import MeshConfig, build_mesh
     from openhosti_jax.models.gpt import GPTConfig
-    from openhosti_jax.models.gpt_job import GPTJob, build_job, kept_plan, plan_meta
+    from openhosti_jax.models.gpt_job import GPTJob, build_resumable_job
     from openhosti_jax.report.memory import plan_record
     from openhosti_jax.report.rundir import LOG, METRICS, PLAN_JSON, PLAN_TXT, write_json
     from openhosti_jax.train import Trainer, TrainerCheckpoint
@@ -131,13 +131,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         replan=args.replan,
     )
     checkpoint = TrainerCheckpoint(os.path.abspath(ckpt_dir), every_steps=args.checkpoint_every) if ckpt_dir else None
-    keep, note = kept_plan(checkpoint, job)
     mesh = build_mesh(MeshConfig(data=1, fsdp=-1), devices)
-    state, plan, step, data = build_job(job, mesh, keep)
-    if note:
-        step.report.record(note)
-    if checkpoint is not None:
-        checkpoint.meta.update(plan_meta(plan))
+    state, _, step, data = build_resumable_job(job, mesh, checkpoint)
     text = str(step.report)
     print(text)
     if run_dir:

@@ -150,18 +150,27 @@ def plan_meta(plan: ShardingPlan) -> dict[str, Any]:
     return {"plan": str(plan), "plan_decision": {**plan.decision(), "devices": jax.device_count()}}
 
 
-def run_job(job: GPTJob, mesh: Mesh | None = None) -> FitResult:
-    """Build and train; print the plan first (``job.print_plan``). A run resuming from ``job.checkpoint_dir``
-    keeps the plan it was saved with (`kept_plan`)."""
-    checkpoint = None
-    if job.checkpoint_dir is not None:
-        checkpoint = TrainerCheckpoint(job.checkpoint_dir, every_steps=job.checkpoint_every_steps)
+def build_resumable_job(
+    job: GPTJob, mesh: Mesh | None, checkpoint: TrainerCheckpoint | None
+) -> tuple[TrainState, ShardingPlan, SpmdStep, ArrayDataset]:
+    """`build_job` with the plan a checkpoint recorded kept (`kept_plan`, said in ``step.report``), and the plan
+    recorded in what ``checkpoint`` saves from now on."""
     keep, note = kept_plan(checkpoint, job)
     state, plan, step, data = build_job(job, mesh, keep)
     if note:
         step.report.record(note)
     if checkpoint is not None:
         checkpoint.meta.update(plan_meta(plan))
+    return state, plan, step, data
+
+
+def run_job(job: GPTJob, mesh: Mesh | None = None) -> FitResult:
+    """Build and train; print the plan first (``job.print_plan``). A run resuming from ``job.checkpoint_dir``
+    keeps the plan it was saved with (`kept_plan`)."""
+    checkpoint = None
+    if job.checkpoint_dir is not None:
+        checkpoint = TrainerCheckpoint(job.checkpoint_dir, every_steps=job.checkpoint_every_steps)
+    state, _, step, data = build_resumable_job(job, mesh, checkpoint)
     if job.print_plan and jax.process_index() == 0:
         print(step.report)
     trainer = Trainer(
