@@ -226,3 +226,17 @@ def test_gpt_widths_count_parameters_and_flops_exactly(shape):
     assert sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))) == cfg.num_params()
     w = workload(lambda r: GPT(cfg, rngs=nnx.Rngs(r)), jax.ShapeDtypeStruct((2, cfg.seq_len), jnp.int32))
     assert w.flops_per_example / cfg.seq_len == pytest.approx(cfg.flops_per_token(), rel=1e-9)
+
+
+def test_tensor_split_weights_all_reduce_their_activations_per_layer_in_any_layout():
+    from jax.sharding import PartitionSpec as P
+
+    from openhosti_jax.planner.cost import _tensor_activation_width as width
+
+    assert width((512, 2048), P("tensor", None), False) == (2048, 1)  # row-parallel: its output
+    assert width((512, 2048), P(None, "tensor"), False) == (512, 1)  # column-parallel: its input's gradient
+    assert width((512, 8, 64), P(None, "tensor", None), False) == (512, 1)  # einsum q/k/v kernel
+    assert width((8, 64, 512), P("tensor", None, None), False) == (512, 1)  # einsum output kernel
+    assert width((24, 512, 2048), P(None, None, "tensor"), True) == (512, 24)  # a scanned stack, per layer
+    assert width((24, 512, 2048), P(None, None, None), True) == (0, 24)
+    assert width((512,), P("tensor"), False)[0] == 0  # a bias is added, not multiplied

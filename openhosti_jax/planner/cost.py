@@ -107,6 +107,19 @@ def _tensor_dim(spec: P) -> int | None:
     return next((d for d, entry in enumerate(spec) if entry is not None and "tensor" in spec_axes(P(entry))), None)
 
 
+def _tensor_activation_width(shape: tuple[int, ...], spec: P, stacked: bool) -> tuple[int, int]:
+    """(width of the activation a tensor-split weight's matmul all-reduces per token, layers it stands for); width 0
+    when the weight is not tensor-split. A weight split on its first dim (row-parallel, vocab-parallel embedding)
+    all-reduces its output (the last dim) forward; one split further in (column-parallel) all-reduces the gradient
+    of its input (the first dim) backward. A scanned stack (``stacked``: a leading layers dim) counts per layer."""
+    layers = shape[0] if stacked else 1
+    dims, entries = (shape[1:], tuple(spec)[1:]) if stacked else (shape, tuple(spec))
+    split = next((d for d, e in enumerate(entries) if e is not None and "tensor" in spec_axes(P(e))), None)
+    if split is None or len(dims) < 2:
+        return 0, layers
+    return (dims[-1] if split == 0 else dims[0]), layers
+
+
 def matmul_efficiency(work: Workload, profile: DeviceProfile, examples: float, t: int, split_share: float) -> float:
     """The fraction of peak a step's matmuls reach together on one device: each matmul of the workload
     (`Workload.gemm_sizes`) at its size for ``examples`` examples per call (a microbatch), the tensor-split share of
@@ -253,10 +266,10 @@ def estimate(
         coll(kind, size, axes)
     tokens = b_local * work.tokens_per_example
     if t > 1:
-        for x, bs in zip(params, base, strict=True):
-            if len(x.shape) == 2 and "tensor" in spec_axes(bs):
-                width = x.shape[1] if bs[0] is not None else x.shape[0]
-                coll("all_reduce", tokens * width * work.activation_itemsize, ("tensor",), k)  # per microbatch
+        for x, bs, names in zip(params, base, names_, strict=True):
+            width, layers = _tensor_activation_width(tuple(x.shape), bs, bool(names) and names[0] == LAYER_AXIS)
+            if width:  # per microbatch and layer
+                coll("all_reduce", layers * tokens * width * work.activation_itemsize, ("tensor",), k * layers)
         # values whose split the ops cannot carry are gathered forward and reduce-scattered backward
         coll("all_gather", reshard * b_local, ("tensor",), k)
         coll("reduce_scatter", reshard * b_local, ("tensor",), k)
