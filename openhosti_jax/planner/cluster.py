@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from openhosti_jax.errors import PlanningError
 from openhosti_jax.mesh.config import AXES
 from openhosti_jax.planner.profiles import PROFILES, DeviceProfile, bus_bytes, curve_seconds
+from openhosti_jax.planner.stacks import STACKS, Stack
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +41,8 @@ class Cluster:
     profile: DeviceProfile
     hosts: int = 1
     devices_per_host: int = 1
+    stack: Stack = STACKS["openhosti"]
+    """The software that runs the step (`openhosti_jax.planner.stacks`): this library's by default."""
     _prices: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

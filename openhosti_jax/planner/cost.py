@@ -17,6 +17,10 @@ Gradient reductions are one message per kind and group: XLA's all-reduce / reduc
 into one op (seen in the compiled HLO), while ZeRO-3 gathers stay one per sharded leaf and layer (gathered per use,
 a scanned stack a layer at a time), and tensor-parallel activations one per leaf and microbatch. Without
 a native reduce-scatter (CPU) ZeRO-2/3 gradients are all-reduced over the data-parallel devices, as in ZeRO-0/1.
+The cluster's software stack (`openhosti_jax.planner.stacks`) adds what the framework does: eager elementwise
+kernels' traffic, attention scores written to memory or a flash kernel's rate and causal skip, and the collectives
+it cannot overlap (tensor-parallel all-reduces between dependent matmuls, a gradient reduction after the backward),
+which add to the step instead of hiding under it; interleaved pipelines divide the bubble by their chunk count.
 
 Example:
     >>> import jax, jax.numpy as jnp, optax
@@ -120,12 +124,14 @@ def _tensor_activation_width(shape: tuple[int, ...], spec: P, stacked: bool) -> 
     return (dims[-1] if split == 0 else dims[0]), layers
 
 
-def matmul_efficiency(work: Workload, profile: DeviceProfile, examples: float, t: int, split_share: float) -> float:
+def matmul_efficiency(
+    work: Workload, profile: DeviceProfile, examples: float, t: int, split_share: float, batched: bool | None = None
+) -> float:
     """The fraction of peak a step's matmuls reach together on one device: each matmul of the workload
     (`Workload.gemm_sizes`) at its size for ``examples`` examples per call (a microbatch), the tensor-split share of
     its FLOPs at ``1 / t`` of that, weighted by FLOPs (the step time of every matmul at its own
     `DeviceProfile.gemm_efficiency`, over the time at the peak); without a trace, the profile's large-GEMM
-    efficiency.
+    efficiency. ``batched``: only the matmuls with (attention's) or without (the projections') batch dims.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -137,10 +143,10 @@ def matmul_efficiency(work: Workload, profile: DeviceProfile, examples: float, t
         >>> round(matmul_efficiency(w, a100, 1024, 1, 0.0), 6), round(a100.gemm_efficiency(1024), 6)  # 1024^3 GEMMs
         (0.263697, 0.263697)
     """
-    gemms = work.gemm_sizes()
+    gemms = work.gemm_sizes(batched)
     if not gemms or not profile.matmul_curve:
         return profile.gemm_efficiency(math.inf)
-    key = ("gemm efficiency", profile.matmul_curve, examples, t, split_share)
+    key = ("gemm efficiency", profile.matmul_curve, examples, t, split_share, batched)
 
     def weigh() -> float:
         eff, whole, split = profile.gemm_efficiency, 1 - split_share, split_share / t
@@ -231,18 +237,19 @@ def estimate(
     temp = (max(act + gathered + max(grad_full, default=0), reduction) + accumulator + cast) / stages
     memory = {"state": state, "batch": batch, "temporaries": temp, "total": state + batch + temp}
 
-    comm_s, comm_b = 0.0, 0.0
+    comm = {"gather": 0.0, "grad": 0.0, "tensor": 0.0}  # seconds by what the collectives move
+    comm_b = 0.0
     upd_param = 0.0  # parameter bytes each device updates
 
-    def coll(kind: str, nbytes: float, axes: tuple[str, ...], messages: float = 1.0) -> None:
+    def coll(kind: str, nbytes: float, axes: tuple[str, ...], messages: float = 1.0, what: str = "gather") -> None:
         """``nbytes`` (the replica's, of which a stage moves its share) over ``axes`` in ``messages`` equal
         collectives, each priced at its own message size."""
-        nonlocal comm_s, comm_b
+        nonlocal comm_b
         n = math.prod(sizes.get(a, 1) for a in axes)
         nbytes /= stages  # every collective is per layer: a stage's devices move their layers' share
         if n > 1 and nbytes > 0:
             count = max(messages / stages, 1.0)
-            comm_s += count * cluster.collective_seconds(kind, nbytes / count, sizes, axes)
+            comm[what] += count * cluster.collective_seconds(kind, nbytes / count, sizes, axes)
             comm_b += bus_bytes(kind, nbytes, n)
 
     combined: dict[tuple[str, tuple[str, ...]], float] = {}  # gradient reductions: XLA's combiners fuse them per kind
@@ -263,34 +270,63 @@ def estimate(
         coll("all_gather", full, z, int(x.shape[0]) if names and names[0] == LAYER_AXIS else 1)  # a layer a time
         upd_param += full / math.prod(sizes[a] for a in z)
     for (kind, axes), size in combined.items():
-        coll(kind, size, axes)
+        coll(kind, size, axes, what="grad")
     tokens = b_local * work.tokens_per_example
     if t > 1:
         for x, bs, names in zip(params, base, names_, strict=True):
             width, layers = _tensor_activation_width(tuple(x.shape), bs, bool(names) and names[0] == LAYER_AXIS)
             if width:  # per microbatch and layer
-                coll("all_reduce", layers * tokens * width * work.activation_itemsize, ("tensor",), k * layers)
+                nbytes = layers * tokens * width * work.activation_itemsize
+                coll("all_reduce", nbytes, ("tensor",), k * layers, what="tensor")
         # values whose split the ops cannot carry are gathered forward and reduce-scattered backward
-        coll("all_gather", reshard * b_local, ("tensor",), k)
-        coll("reduce_scatter", reshard * b_local, ("tensor",), k)
-    flops = work.flops_per_example * b_local * (1 - split_share + split_share / t) * policy.flops_factor
+        coll("all_gather", reshard * b_local, ("tensor",), k, what="tensor")
+        coll("reduce_scatter", reshard * b_local, ("tensor",), k, what="tensor")
+    split = 1 - split_share + split_share / t  # the share of a replica's per-example work one device does
+    flops = work.flops_per_example * b_local * split * policy.flops_factor
     if stages > 1:  # the pipeline's backward recomputes its chunk's forward from the stored input
         flops *= 4 / 3
+    stack = cluster.stack
+    peak = profile.peak_flops
+    eff = functools.partial(matmul_efficiency, work, profile, b_local / k, t, split_share)
+    priced_apart = stack.causal_skip or stack.attention_efficiency is not None or not stack.fused
+    aw = work.attention_work() if priced_apart or not stack.flash_attention else None
+    if aw is not None and aw.attention_share and (stack.causal_skip or stack.attention_efficiency is not None):
+        # attention's matmuls at the kernel's own rate, the masked half skipped by a flash kernel
+        att = flops * aw.attention_share * (0.5 if stack.causal_skip and aw.masked else 1.0)
+        att_s = att / (peak * (stack.attention_efficiency or eff(True)))
+        compute = flops * (1 - aw.attention_share) / (peak * eff(False)) + att_s
+    else:
+        compute = flops / (peak * eff())
     mem_bytes = act_traffic + 2 * upd_param + upd_param + 2 * opt_local
-    compute = flops / (profile.peak_flops * matmul_efficiency(work, profile, b_local / k, t, split_share))
+    if aw is not None and not stack.fused:  # eager: every elementwise op reads and writes device memory, the
+        # backward about twice the forward (the output's gradient and the saved inputs read, the input's written)
+        scale = mp.compute_dtype.itemsize / work.activation_itemsize
+        mem_bytes += 3 * aw.elementwise_bytes * scale * b_local * split * policy.flops_factor - act_traffic
+    if aw is not None and not stack.flash_attention:  # scores written and read by separate kernels
+        again = stack.score_bytes_forward if plan.remat != "none" else 0.0  # recomputed with the block
+        mem_bytes += aw.score_elements * b_local / t * (stack.score_bytes + again)
     offload = 2 * policy.host_bytes_per_example * b_local / profile.host_bandwidth  # out to the host and back
     bandwidth = profile.memory_seconds(mem_bytes, memory["total"])  # a small step streams from the caches
-    bubble = 1.0 + (stages - 1) / max(plan.num_microbatches, stages) if stages > 1 else 1.0
+    bubble = 1.0
+    if stages > 1:  # interleaving V chunks per stage divides the fill and drain by V (Narayanan et al. 2021)
+        virtual = plan.pipeline_virtual if plan.pipeline_schedule == "interleaved" else 1
+        bubble += (stages - 1) / (virtual * max(plan.num_microbatches, stages))
     # each further microbatch is one more trip through the accumulation loop (a launch's fixed cost)
     launches = 1 if stages > 1 else k  # a pipeline's microbatches are ticks of one program
     work_s = (compute + bandwidth + offload) / stages * bubble
-    total = (max(work_s, comm_s) if profile.overlap else work_s + comm_s) + profile.launch_seconds * launches
+    comm_s = sum(comm.values())
+    # what the stack cannot overlap waits: a tensor-parallel all-reduce between two dependent matmuls, a
+    # gradient reduction issued after the backward
+    exposed = (0.0 if stack.tensor_overlap else comm["tensor"]) + (0.0 if stack.grad_overlap else comm["grad"])
+    hidden = max(work_s, comm_s - exposed) + exposed
+    total = (hidden if profile.overlap else work_s + comm_s) + profile.launch_seconds * launches
     time = {  # per device: a stage does 1/S of its replica's work, and waits in the bubble
         "compute": compute / stages,
         "memory": bandwidth / stages,
         "offload": offload / stages,
         "bubble": work_s - (compute + bandwidth + offload) / stages,
         "collectives": comm_s,
+        "exposed": exposed if profile.overlap else comm_s,
         "launch": profile.launch_seconds,
         "total": total,
     }

@@ -76,11 +76,13 @@ class Prediction:
         p = self.plan
         return {
             "cluster": f"{self.cluster.hosts}x{self.cluster.devices_per_host}x{self.cluster.profile.name}",
+            "stack": self.cluster.stack.name,
             "mesh": {a: int(n) for a, n in p.mesh_shape.items()},
             "zero": p.zero_stage,
             "remat": p.remat,
             "precision": p.precision,
             "microbatches": p.num_microbatches,
+            "virtual": p.pipeline_virtual,
             "step_seconds": self.step_seconds,
             "tokens_per_second_per_device": self.tokens_per_second_per_device,
             "mfu": self.mfu,
@@ -96,8 +98,12 @@ class Prediction:
         mesh = " ".join(f"{a}={n}" for a, n in d["mesh"].items() if n > 1) or "1 device"
         budget = "-" if d["memory_budget_gib"] is None else f"{d['memory_budget_gib']:.1f}"
         rows = [
-            ("cluster", d["cluster"]),
-            ("plan", f"{mesh} zero{d['zero']} remat={d['remat']} {d['precision']} microbatches={d['microbatches']}"),
+            ("cluster", f"{d['cluster']} ({d['stack']})"),
+            (
+                "plan",
+                f"{mesh} zero{d['zero']} remat={d['remat']} {d['precision']} microbatches={d['microbatches']}"
+                + (f" virtual={d['virtual']}" if d["virtual"] > 1 else ""),
+            ),
             ("step time", f"{d['step_seconds'] * 1e3:.1f} ms"),
             ("tokens/s per device", f"{d['tokens_per_second_per_device']:,.0f}"),
             ("MFU", f"{100 * d['mfu']:.1f}%"),
@@ -133,6 +139,7 @@ def predict(
     remat: str | None = None,
     precision: str | None = None,
     microbatches: int = 1,
+    virtual: int = 1,
     pipeline: bool = True,
     model_flops_per_token: float | None = None,
     memory_budget: int | None = None,
@@ -144,7 +151,8 @@ def predict(
     With ``mesh`` (``{"fsdp": 8}`` or ``"fsdp=8"``) the configuration is fixed (``zero`` default 3 where a batch
     axis shards state else 0, ``remat`` default "none", ``precision`` default "bf16", ``microbatches``);
     without it, the planner chooses among every mesh (pipelines included unless ``pipeline=False``), ZeRO stage,
-    remat policy and precision (``remat`` / ``precision`` restrict it). ``model_flops_per_token``: the model's
+    remat policy and precision (``remat`` / ``precision`` restrict it); ``virtual`` > 1 interleaves that many model
+    chunks per pipeline stage (a fixed configuration's). ``model_flops_per_token``: the model's
     training FLOPs per token for the utilisation (default: the traced matmul FLOPs)."""
     c = cluster(where)
     tx = optimizer
@@ -175,7 +183,7 @@ def predict(
         sharded = sizes["data"] * sizes["fsdp"] > 1
         stage = (3 if sharded else 0) if zero is None else zero
         axes = ("fsdp",) if sizes["data"] > 1 and sizes["fsdp"] > 1 else ZERO_AXES
-        candidate = Candidate(sizes, stage, axes, remat or "none", precision or "bf16", microbatches)
+        candidate = Candidate(sizes, stage, axes, remat or "none", precision or "bf16", microbatches, virtual)
         scored = score(work, tx, candidate, c)
         plan, parts = scored.plan, {"time": scored.estimate.time, "memory": scored.estimate.memory}
         seconds, nbytes = scored.estimate.seconds, float(scored.estimate.bytes)

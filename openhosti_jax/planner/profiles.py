@@ -299,6 +299,15 @@ _A100 = (
     "https://www.nvidia.com/en-us/data-center/a100/ (A100 SXM 80GB: bf16 312 TFLOPS dense, 624 with sparsity; "
     "80 GB HBM2e at 2,039 GB/s; NVLink 600 GB/s)"
 )
+_TITAN_H100 = (
+    "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (Grand Teton: 8 H100 per host on NVLink, "
+    "'96GB HBM2e with 2.4 TB/sec peak memory bandwidth', 400 Gb/s RDMA per GPU, 'the default 500W power limit'; "
+    "footnote 2: 'HBM2e-based SXM H100 with lower TDP, the actual peak TFLOPs number is between SXM and NVL')"
+)
+_H100_NVL = (
+    "https://www.nvidia.com/en-us/data-center/h100/ (H100 NVL: bf16 1,671 TFLOPS and fp8 3,341 with sparsity, "
+    "half dense)"
+)
 _DGX_H100 = (
     "https://docs.nvidia.com/dgx/dgxh100-user-guide/introduction-to-dgxh100.html (DGX H100: 8 GPUs, 8 single-port "
     "ConnectX-7 400 Gb/s for the compute fabric, one per GPU)"
@@ -438,6 +447,31 @@ PROFILES: dict[str, DeviceProfile] = {
         dcn_efficiency=NIC_FRACTION_4_NODES,
         host_bandwidth=55e9,
         sources=(_H200, _DGX_H100, _MAMF, _CUDA11_FIG6 + _HOPPER_SHAPE, _NCCL_H200, _NCCL_4_NODES),
+    ),
+    # Meta's Grand Teton H100 (torchtitan's benchmarks): SXM, 96 GB HBM2e at 2.4 TB/s, a 500 W power limit. Its
+    # peak is "between SXM and NVL" and not published: the middle of the two, 912 TFLOP/s, +-8.5%
+    "H100 HBM2e": _spec(
+        "H100 HBM2e",
+        matmul_curve=_shape(A100_GEMM_TFLOPS, over=290 / 0.803),
+        bf16=(989e12 + 835e12) / 2,
+        fp8=(1979e12 + 1671e12) / 2,
+        hbm=96 * GiB,
+        hbm_bandwidth=2.4e12,
+        link=367.61 * GB,
+        link_efficiency=_shape(H200_ALL_REDUCE_BUSBW),
+        per_host=8,
+        dcn=50 * GB,
+        dcn_efficiency=NIC_FRACTION_4_NODES,
+        host_bandwidth=55e9,
+        sources=(
+            _TITAN_H100,
+            _H100_NVL,
+            _H100,
+            _MAMF,
+            _CUDA11_FIG6 + _HOPPER_SHAPE,
+            _NCCL_H200,
+            _NCCL_4_NODES,
+        ),
     ),
     "A100": _spec(
         "A100",

@@ -69,6 +69,8 @@ class Candidate:
     """Mixed-precision policy."""
     microbatches: int = 1
     """Gradient-accumulation steps."""
+    virtual: int = 1
+    """Model chunks per pipeline stage: > 1 interleaves them (interleaved 1F1B)."""
 
     @property
     def label(self) -> str:
@@ -139,7 +141,7 @@ def score(
         if sizes["stage"] == 1 or candidate.microbatches > 1
         else pipeline_microbatches(work, candidate)
     )
-    key = (tuple(sizes.items()), candidate.zero_stage, candidate.zero_axes, candidate.precision)
+    key = (tuple(sizes.items()), candidate.zero_stage, candidate.zero_axes, candidate.precision, candidate.virtual)
     if cache is not None and key in cache:
         plan, base, sharded, tx = cache[key]
         plan = dataclasses.replace(plan, remat=candidate.remat, num_microbatches=microbatches)
@@ -159,7 +161,8 @@ def score(
         remat=candidate.remat,
         precision=candidate.precision,
         num_microbatches=microbatches,
-        pipeline_schedule="1f1b",
+        pipeline_schedule="interleaved" if candidate.virtual > 1 else "1f1b",
+        pipeline_virtual=candidate.virtual,
     )
     if plan.zero_stage == 3:
         sharded = plan.param_specs

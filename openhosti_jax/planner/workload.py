@@ -152,12 +152,13 @@ class Workload:
         recompute = max((kept.bytes_per_example if kept else saved) - saved, 0.0) / max(blocks, 1)
         return PolicyActivations(saved + recompute, 1.0 + RECOMPUTE_FRACTION[remat])
 
-    def gemm_sizes(self) -> tuple[tuple[float, float], ...]:
+    def gemm_sizes(self, batched: bool | None = None) -> tuple[tuple[float, float], ...]:
         """``(M N K of one call at batch size 1, its share of the matmul FLOPs)`` for every matmul of the traced step,
         equal sizes merged (each ``dot_general``, batch dims in its ``M N K``, a scan body's once per trip, of a
         ``cond`` the most expensive branch); empty without a trace. A training step's matmuls each carry the batch
         in one dim (tokens in M; in K for a weight gradient), so at ``b`` examples one call's ``M N K`` is ``b``
-        times this, and its backward's two matmuls have the same ``M N K``.
+        times this, and its backward's two matmuls have the same ``M N K``. ``batched``: only the matmuls with
+        (True, attention's) or without (False, the projections) batch dims.
 
         >>> import jax, jax.numpy as jnp
         >>> from flax import nnx
@@ -170,11 +171,39 @@ class Workload:
 
         def walk() -> tuple[tuple[float, float], ...]:
             sizes: dict[float, float] = {}
-            _gemms(self.jaxpr, 1.0, sizes)
+            _gemms(self.jaxpr, 1.0, sizes, batched)
             total = sum(sizes.values())
             return tuple((mnk, f / total) for mnk, f in sorted(sizes.items())) if total else ()
 
-        return self.memo(("gemms",), walk)
+        return self.memo(("gemms", batched), walk)
+
+    def attention_work(self) -> AttentionWork:
+        """What the forward pass does per example besides the projections (`AttentionWork`), from the trace: the
+        bytes its elementwise ops read and write when each is a kernel of its own, the attention scores it makes
+        and the attention matmuls' share of the FLOPs; zeros without a trace. Only work that depends on the batch
+        counts; the ops between an attention score matmul and the matmul that consumes its probabilities (scale,
+        mask, softmax) are attention's, not elementwise work.
+
+        >>> import jax, jax.numpy as jnp
+        >>> from flax import nnx
+        >>> from openhosti_jax.models.gpt import GPT, GPTConfig
+        >>> cfg = GPTConfig(vocab_size=64, seq_len=32, d_model=16, n_heads=2, n_layers=3)
+        >>> w = workload(lambda r: GPT(cfg, rngs=nnx.Rngs(r)), jax.ShapeDtypeStruct((4, 32), jnp.int32))
+        >>> a = w.attention_work()
+        >>> a.score_elements == 3 * 2 * 32 * 32, a.masked  # layers x heads x seq x seq, causal
+        (True, True)
+        """
+        if self.jaxpr is None:
+            return AttentionWork(0.0, 0.0, 0.0)
+
+        def walk() -> AttentionWork:
+            acc = {"bytes": 0.0, "scores": 0.0, "attention": 0.0, "all": 0.0, "masked": 0.0}
+            n_params = len(jax.tree.leaves(unbox(self.params)))
+            _attention_walk(self.jaxpr, 1.0, set(self.jaxpr.invars[n_params:]), acc)
+            share = acc["attention"] / acc["all"] if acc["all"] else 0.0
+            return AttentionWork(acc["bytes"], acc["scores"], share, bool(acc["masked"]))
+
+        return self.memo(("attention",), walk)
 
     def tensor_split(self, param_dims: tuple[int | None, ...], t: int) -> TensorSplit:
         """What splitting parameter leaf ``i`` over a tensor axis of size ``t`` along dim ``param_dims[i]``
@@ -203,8 +232,78 @@ class PolicyActivations(NamedTuple):
     """Activation bytes per example moved to host memory and back (remat ``"offload"``)."""
 
 
-def _gemms(jaxpr: Any, trips: float, sizes: dict[float, float]) -> None:
-    """Add each ``dot_general`` of ``jaxpr`` run ``trips`` times to ``sizes`` (M N K of one call -> FLOPs)."""
+class AttentionWork(NamedTuple):
+    """A forward pass's work besides the projections, per example (`Workload.attention_work`)."""
+
+    elementwise_bytes: float
+    """Bytes the batch-dependent elementwise and reduction ops read and write, each as its own kernel (views:
+    reshapes and broadcasts, excluded), attention's score ops excluded."""
+    score_elements: float
+    """Attention score elements made (outputs of batched matmuls larger than both their operands)."""
+    attention_share: float
+    """The batched (attention) matmuls' share of the matmul FLOPs."""
+    masked: bool = False
+    """Whether the scores pass a fixed mask (one that does not depend on the batch, e.g. causal): a flash kernel
+    skips the blocks it masks whole."""
+
+
+_VIEWS = frozenset("reshape squeeze expand_dims broadcast_in_dim transpose slice".split())
+
+
+def _attention_walk(
+    jaxpr: Any, trips: float, batch: set[Any], acc: dict[str, float], scores: set[Any] | None = None
+) -> None:
+    """Add ``jaxpr``'s `AttentionWork` (run ``trips`` times; ``batch``: its values that depend on the batch;
+    ``scores``: its values that are attention scores or made from them) to ``acc``."""
+    scores = set() if scores is None else scores
+    for eqn in jaxpr.eqns:
+        ins = [v for v in eqn.invars if not isinstance(v, Literal)]
+        hit = [v in batch for v in ins]
+        subs = [getattr(s, "jaxpr", s) for s in _sub_jaxprs(eqn)]
+        if subs:
+            if eqn.primitive.name in ("cond", "switch"):
+                subs = [max(subs, key=lambda j: count_flops(j, matmul_only=True))]
+            inner = trips * (eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1)
+            for sub in subs:
+                outer = list(eqn.invars)[len(eqn.invars) - len(sub.invars) :]
+                if len(outer) == len(sub.invars):
+                    pairs = [(v, o) for v, o in zip(sub.invars, outer, strict=True) if not isinstance(o, Literal)]
+                    dep, inner_scores = {v for v, o in pairs if o in batch}, {v for v, o in pairs if o in scores}
+                else:  # unknown mapping: every input is the batch's
+                    dep, inner_scores = set(sub.invars), set()
+                _attention_walk(sub, inner, dep, acc, inner_scores)
+            if any(hit):
+                batch.update(eqn.outvars)
+            if any(v in scores for v in ins):
+                scores.update(eqn.outvars)
+            continue
+        if not any(hit):
+            continue
+        batch.update(eqn.outvars)
+        if eqn.primitive.name == "dot_general":
+            flops = dot_flops(eqn) * trips
+            acc["all"] += flops
+            (_, (lb, _)) = eqn.params["dimension_numbers"]
+            if lb:
+                acc["attention"] += flops
+                out = eqn.outvars[0].aval.size
+                if all(out >= getattr(v.aval, "size", 0) for v in ins):
+                    acc["scores"] += out * trips
+                    scores.update(eqn.outvars)
+            continue
+        if any(v in scores for v in ins):
+            if eqn.primitive.name == "select_n" and eqn.invars[0] not in batch:  # a fixed (e.g. causal) mask
+                acc["masked"] = 1.0
+            scores.update(eqn.outvars)
+            continue
+        if eqn.primitive.name in _VIEWS:
+            continue
+        acc["bytes"] += trips * sum(leaf_bytes(v.aval) for v in (*ins, *eqn.outvars))
+
+
+def _gemms(jaxpr: Any, trips: float, sizes: dict[float, float], batched: bool | None = None) -> None:
+    """Add each ``dot_general`` of ``jaxpr`` run ``trips`` times to ``sizes`` (M N K of one call -> FLOPs);
+    ``batched``: only those with (True) or without (False) batch dims."""
     for eqn in jaxpr.eqns:
         subs = [getattr(s, "jaxpr", s) for s in _sub_jaxprs(eqn)]
         if subs:
@@ -212,8 +311,10 @@ def _gemms(jaxpr: Any, trips: float, sizes: dict[float, float]) -> None:
                 subs = [max(subs, key=lambda j: count_flops(j, matmul_only=True))]
             inner = trips * (eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1)
             for sub in subs:
-                _gemms(sub, inner, sizes)
+                _gemms(sub, inner, sizes, batched)
         elif eqn.primitive.name == "dot_general":
+            if batched is not None and bool(eqn.params["dimension_numbers"][1][0]) != batched:
+                continue
             flops = dot_flops(eqn)
             sizes[flops / 2] = sizes.get(flops / 2, 0.0) + flops * trips
 

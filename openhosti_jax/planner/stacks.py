@@ -1,0 +1,171 @@
+"""Software stacks, as data: what the training program does with the hardware, which the cost model prices next to
+the device profile (`openhosti_jax.planner.profiles`). Two runs on the same GPUs differ by how the framework
+executes the same model: whether elementwise ops are fused into few kernels or run one kernel each (eager
+PyTorch), whether attention is a flash kernel (scores kept on chip, the causal half skipped) or materialises its
+``seq x seq`` scores in memory, and whether the tensor-parallel and gradient collectives overlap compute or wait
+for it. `STACKS` holds the openhosti (XLA) default and the stacks of the published runs `benchmarks/scale.py`
+compares with, each citing where its traits come from; a `Cluster` carries one (`Cluster.stack`).
+
+Example:
+    >>> from openhosti_jax.planner.stacks import STACKS
+    >>> s = STACKS["megatron-2021"]
+    >>> s.fused, s.flash_attention, s.tensor_overlap
+    (True, False, False)
+    >>> s.score_bytes  # HBM bytes per fp16 score element, forward + backward (the kernels are listed in STACKS)
+    30.0
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from openhosti_jax.errors import PlanningError
+
+
+@dataclasses.dataclass(frozen=True)
+class Stack:
+    """How a training framework runs a step, as far as the cost model prices it."""
+
+    name: str
+    fused: bool = True
+    """Whether the elementwise ops between matmuls are fused (a compiler: XLA, torch.compile; hand-written fused
+    kernels) so that only the saved activations cross device memory; False (eager): every op is a kernel that
+    reads its inputs from and writes its output to device memory (`Workload.elementwise_bytes`)."""
+    flash_attention: bool = True
+    """Whether attention is one fused kernel that keeps each score block on chip (FlashAttention, cuDNN, a TPU
+    splash kernel): no ``seq x seq`` tensor crosses memory. False: the scores are written and read by separate
+    kernels, ``score_bytes`` per forward score element (`Workload.attention_scores`)."""
+    causal_skip: bool = False
+    """Whether the attention kernel skips the masked half of a causal model's scores (flash kernels do; the library's
+    query-blocked XLA attention computes every block and masks it, as the trace counts)."""
+    attention_efficiency: float | None = None
+    """Fraction of the bf16 peak the attention kernel reaches (forward + backward; None: its matmuls are priced on
+    the device's GEMM curve like the projections)."""
+    score_bytes: float = 0.0
+    """Without flash attention: device-memory bytes per forward score element over forward and backward (the
+    forward once more where the remat policy recomputes attention)."""
+    score_bytes_forward: float = 0.0
+    """The forward's part of ``score_bytes`` (what a recomputation pays again)."""
+    tensor_overlap: bool = True
+    """Whether tensor-parallel activation collectives overlap the matmuls around them (Megatron-Core's
+    ``--tp-comm-overlap``, async TP, collective matmul); False: each waits on the matmul before it and the next
+    waits on it, so its time adds to the step."""
+    grad_overlap: bool = True
+    """Whether the gradient reduction (and ZeRO's parameter gather) overlaps the backward (PyTorch DDP's buckets,
+    FSDP's prefetch, XLA's latency-hiding scheduler); False: it runs after the backward (Megatron's
+    ``--DDP-impl local``)."""
+    sources: tuple[str, ...] = ()
+    """Where the traits come from."""
+
+    def __post_init__(self) -> None:
+        if self.attention_efficiency is not None and not 0 < self.attention_efficiency <= 1:
+            raise PlanningError(
+                f"stack {self.name!r}: attention_efficiency={self.attention_efficiency!r} must be in (0, 1] or None"
+            )
+        if not 0 <= self.score_bytes_forward <= self.score_bytes:
+            raise PlanningError(
+                f"stack {self.name!r}: need 0 <= score_bytes_forward <= score_bytes; found "
+                f"{self.score_bytes_forward} and {self.score_bytes}"
+            )
+        if self.flash_attention and self.score_bytes:
+            raise PlanningError(f"stack {self.name!r}: a flash attention kernel moves no scores; set score_bytes=0")
+
+
+_MEGATRON_2021 = (
+    "NVIDIA/Megatron-LM examples/academic_paper_scripts/sc21/run_table_1.sh and CONFIG.sh (the Table 1 runs: "
+    "--fp16, DDP-impl torch for 1.7B-18B, local from 39B, uniform full recomputation, interleaving where given)",
+    "Megatron-LM 2021 (megatron/model/transformer.py, fused_softmax.py): attention scores are a baddbmm output, "
+    "then FusedScaleMaskSoftmax, attention dropout (0.1), then bmm with the values: no flash kernel; tensor-parallel "
+    "all-reduces are synchronous in the forward (RowParallelLinear) and backward (ColumnParallelLinear)",
+)
+_MCORE = (
+    "NVIDIA/Megatron-LM README.md (Megatron-Core r0.8.0 benchmark configuration: 'Fine-grained overlapping with DP "
+    "(--overlap-grad-reduce, --overlap-param-gather), TP (--tp-comm-overlap), and PP'); Transformer Engine's "
+    "fused (flash / cuDNN) attention",
+)
+_TITAN = (
+    "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (Table 1 and 3 rows 'FSDP': no torch.compile; "
+    "FSDP2 prefetches the next layer's all-gather and reduce-scatters during the backward)",
+    "torchtitan models/llama/model.py @ 9dec370: F.scaled_dot_product_attention(is_causal=True), which runs the "
+    "FlashAttention-2 backend on H100 in torch 2.5-2.6",
+)
+_FA2_H100 = (
+    "Dao-AILab/flash-attention README, assets/flash2_h100_fwd_bwd_benchmark.png: FlashAttention-2 forward + "
+    "backward on H100 80GB SXM5, head dim 128, 8k tokens: 308 TFLOP/s causal (335 without the mask), 0.31 of the "
+    "989 peak; pytorch/pytorch#138522 (in 2.5.1: cuDNN attention last in SDPA's order, so flash is taken) and "
+    "pytorch/pytorch#142132 (nightly 2024-12-04 on H100: SDPA 329.5 TFLOP/s, cuDNN 631.3, 'This is expected')"
+)
+STACKS: dict[str, Stack] = {
+    "openhosti": Stack(
+        "openhosti",
+        fused=True,
+        flash_attention=True,
+        tensor_overlap=False,
+        sources=(
+            "this library on XLA: elementwise ops fused; attention as query blocks (each block's scores stay in a "
+            "fusion and are recomputed in the backward), every block computed and masked; the latency-hiding "
+            "scheduler overlaps gradient and ZeRO collectives with other layers' work, but a tensor-parallel "
+            "all-reduce sits between two dependent matmuls of one layer (no collective matmul by default)",
+        ),
+    ),
+    "megatron-2021": Stack(
+        "megatron-2021",
+        fused=True,
+        flash_attention=False,
+        # forward: baddbmm writes S (2 B), the fused scale-mask-softmax reads S and writes P (4), dropout reads P,
+        # writes P' and its byte mask (5), the bmm with V reads P' (2): 13 B; backward: the bmm dO V^T writes dP'
+        # (2), dropout's backward reads dP' and the mask and writes dP (5), the softmax backward reads dP and P and
+        # writes dS (6), the two bmms with K and Q read dS (4): 17 B
+        score_bytes=30.0,
+        score_bytes_forward=13.0,
+        tensor_overlap=False,
+        grad_overlap=True,
+        sources=_MEGATRON_2021,
+    ),
+    "megatron-core": Stack(
+        "megatron-core", fused=True, flash_attention=True, causal_skip=True, tensor_overlap=True, sources=_MCORE
+    ),
+    "torchtitan": Stack(
+        "torchtitan",
+        fused=False,
+        flash_attention=True,
+        causal_skip=True,
+        attention_efficiency=0.31,
+        tensor_overlap=False,
+        sources=(*_TITAN, _FA2_H100),
+    ),
+    "torchtitan-compile": Stack(
+        "torchtitan-compile",
+        fused=True,
+        flash_attention=True,
+        causal_skip=True,
+        attention_efficiency=0.31,
+        tensor_overlap=False,
+        sources=(*_TITAN, _FA2_H100, "the rows '+ torch.compile': Inductor fuses the elementwise ops"),
+    ),
+    "maxtext": Stack(
+        "maxtext",
+        fused=True,
+        flash_attention=True,
+        causal_skip=True,
+        tensor_overlap=False,
+        sources=(
+            "AI-Hypercomputer/maxtext: XLA-fused ops, attention 'cudnn_flash_te' on GPU and the splash / flash "
+            "Pallas kernel on TPU (skipping the causal mask's blocks); no collective matmul in the configs compared",
+        ),
+    ),
+}
+"""Software stacks by name, each citing its sources (`Stack.sources`)."""
+
+
+def stack(name: str | Stack) -> Stack:
+    """The `Stack` called ``name`` (a `Stack` is returned as is), else a `PlanningError` listing them.
+
+    >>> stack("torchtitan").fused
+    False
+    """
+    if isinstance(name, Stack):
+        return name
+    if name not in STACKS:
+        raise PlanningError(f"unknown software stack {name!r}; expected one of {sorted(STACKS)} or a Stack")
+    return STACKS[name]

@@ -1,0 +1,135 @@
+"""Software stacks in the cost model: each trait priced as its closed form, from the trace's own counts."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax import nnx
+
+from openhosti_jax.errors import PlanningError
+from openhosti_jax.models.gpt import GPT, GPTConfig
+from openhosti_jax.models.llama import Llama, LlamaConfig
+from openhosti_jax.planner.cluster import Cluster
+from openhosti_jax.planner.cost import matmul_efficiency
+from openhosti_jax.planner.profiles import PROFILES
+from openhosti_jax.planner.search import Candidate, score
+from openhosti_jax.planner.stacks import STACKS, Stack, stack
+from openhosti_jax.planner.workload import workload
+
+H100 = PROFILES["H100"]
+CFG = GPTConfig(n_layers=2, d_model=256, n_heads=4, seq_len=128, vocab_size=512)
+BATCH = jax.ShapeDtypeStruct((16, 128), jnp.int32)
+
+
+def _gpt(cfg: GPTConfig = CFG):
+    return workload(lambda r: GPT(cfg, rngs=nnx.Rngs(r)), BATCH)
+
+
+def _cluster(**traits) -> Cluster:
+    return Cluster(H100, 1, 8, dataclasses.replace(STACKS["openhosti"], **traits))
+
+
+def _mesh(**axes) -> dict[str, int]:
+    return {"stage": 1, "data": 1, "fsdp": 1, "tensor": 1} | axes
+
+
+def test_scores_and_elementwise_bytes_are_counted_from_the_trace():
+    """Scores: layers x heads x seq^2 (GQA: the query heads); elementwise bytes: each op's inputs and outputs."""
+    assert _gpt().attention_work().score_elements == 2 * 4 * 128 * 128
+    cfg = LlamaConfig(vocab_size=256, seq_len=64, d_model=128, n_layers=3, n_heads=8, n_kv_heads=2, ffn=256)
+    w = workload(lambda r: Llama(cfg, rngs=nnx.Rngs(r)), jax.ShapeDtypeStruct((2, 64), jnp.int32))
+    a = w.attention_work()
+    assert a.score_elements == 3 * 8 * 64 * 64 and a.masked and 0 < a.attention_share < 1
+
+    class Net(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            self.w = nnx.Param(jnp.ones((32, 64)))
+
+        def __call__(self, x):  # a matmul, then elementwise ops on (64,) per example
+            return 2.0 * jnp.tanh(x @ self.w[...])
+
+    net = workload(Net(nnx.Rngs(0)), jax.ShapeDtypeStruct((4, 32), jnp.float32)).attention_work()
+    # the forward with its residuals runs tanh, 1 - tanh (what tanh's VJP keeps) and the scaling by 2 (a literal):
+    # each reads 64 floats and writes 64
+    assert net.elementwise_bytes == 3 * 2 * 64 * 4 and net.score_elements == 0 and not net.masked
+
+
+def test_an_exposed_tensor_all_reduce_adds_to_the_step_and_an_overlapped_one_hides():
+    w = _gpt()
+    c = Candidate(_mesh(tensor=8), 0)
+    waits = score(w, optax.adam(1e-3), c, _cluster(tensor_overlap=False)).estimate.time
+    hides = score(w, optax.adam(1e-3), c, _cluster(tensor_overlap=True)).estimate.time
+    work = waits["compute"] + waits["memory"] + waits["offload"] + waits["bubble"]
+    assert waits["exposed"] > 0 and hides["exposed"] == 0
+    assert waits["total"] == pytest.approx(max(work, waits["collectives"] - waits["exposed"]) + waits["exposed"])
+    assert hides["total"] == pytest.approx(max(work, hides["collectives"]))
+    assert waits["total"] > hides["total"]
+
+
+def test_a_gradient_reduction_after_the_backward_adds_its_time():
+    w = _gpt()
+    c = Candidate(_mesh(data=8), 0)
+    after = score(w, optax.adam(1e-3), c, _cluster(grad_overlap=False)).estimate.time
+    work = after["compute"] + after["memory"] + after["offload"] + after["bubble"]
+    assert after["collectives"] > 0 and after["exposed"] == pytest.approx(after["collectives"])  # all gradients
+    assert after["total"] == pytest.approx(work + after["collectives"])
+
+
+def test_eager_ops_and_materialised_scores_are_memory_traffic():
+    """Against the fused stack, at remat "none" in fp32: eager adds each elementwise op's bytes three times (the
+    forward, a backward of twice its traffic) in place of the saved activations' write and read; a stack that
+    materialises scores adds its bytes per score element."""
+    w = _gpt()
+    a = w.attention_work()
+    c = Candidate(_mesh(data=8), 0, remat="none", precision="fp32")
+    fused = score(w, optax.adam(1e-3), c, _cluster()).estimate.time["memory"]
+    eager = score(w, optax.adam(1e-3), c, _cluster(fused=False)).estimate.time["memory"]
+    b = 16 / 8
+    act_traffic = 2 * w.activation_bytes_per_example * b
+    assert eager - fused == pytest.approx((3 * a.elementwise_bytes * b - act_traffic) / H100.memory_bandwidth)
+    scores = score(w, optax.adam(1e-3), c, _cluster(flash_attention=False, score_bytes=30.0)).estimate.time
+    assert scores["memory"] - fused == pytest.approx(a.score_elements * b * 30.0 / H100.memory_bandwidth)
+    again = score(
+        w,
+        optax.adam(1e-3),
+        dataclasses.replace(c, remat="full"),
+        _cluster(flash_attention=False, score_bytes=30.0, score_bytes_forward=13.0),
+    ).estimate.time["memory"]
+    base = score(w, optax.adam(1e-3), dataclasses.replace(c, remat="full"), _cluster()).estimate.time["memory"]
+    assert again - base == pytest.approx(a.score_elements * b * 43.0 / H100.memory_bandwidth)  # recomputed
+
+
+def test_a_flash_kernel_skips_the_causal_half_at_its_own_rate():
+    w = _gpt()
+    a = w.attention_work()
+    c = Candidate(_mesh(data=8), 0, remat="none", precision="fp32")
+    t = score(w, optax.adam(1e-3), c, _cluster(causal_skip=True, attention_efficiency=0.3)).estimate.time
+    flops = w.flops_per_example * 2
+    projections = flops * (1 - a.attention_share) / (H100.peak_flops * matmul_efficiency(w, H100, 2, 1, 0, False))
+    attention = flops * a.attention_share * 0.5 / (H100.peak_flops * 0.3)
+    assert t["compute"] == pytest.approx(projections + attention)
+
+
+def test_interleaving_divides_the_pipeline_bubble():
+    cfg = dataclasses.replace(CFG, n_layers=8)
+    w = _gpt(cfg)
+    c = Candidate(_mesh(stage=4, data=2), 0, microbatches=8)
+    for v in (1, 2):
+        t = score(w, optax.adam(1e-3), dataclasses.replace(c, virtual=v), Cluster(H100, 1, 8)).estimate.time
+        busy = t["compute"] + t["memory"] + t["offload"]
+        assert t["bubble"] == pytest.approx(busy * 3 / (v * 8))
+
+
+def test_stacks_are_named_cited_and_checked():
+    assert stack("megatron-2021") is STACKS["megatron-2021"] and all(s.sources for s in STACKS.values())
+    with pytest.raises(PlanningError, match="unknown software stack 'nope'"):
+        stack("nope")
+    with pytest.raises(PlanningError, match="moves no scores"):
+        Stack("x", flash_attention=True, score_bytes=4.0)
+    with pytest.raises(PlanningError, match="attention_efficiency"):
+        Stack("x", attention_efficiency=1.5)
+    assert Cluster(H100).stack.name == "openhosti"  # the default: this library's
