@@ -18,10 +18,15 @@ forward included), Megatron-Core r0.8.0 ``12 l h^2 (6 + s/h + V/(2 l h))``, MaxT
 head_dim s``; torchtitan publishes tokens/s. Where a source leaves a setting unstated, the run below says what was
 taken (microbatches of one sequence, pipelined or accumulated, selective recomputation, the pipeline's TP/PP split).
 
-The runs: torchtitan Llama-3.1 8B FSDP on 8 and 128 H100 (Tables 1 and 3, no torch.compile or Float8), MaxText
-Llama-2 7B on one A3 VM, Megatron-Core's weak-scaling table (7.1B, 177B, 462B) and the strong-scaling ends of its
-GPT-3 175B (96 and 4,608 GPUs), MaxText's 32B on a TPU v5p-128 (its 2023 shape: MLP 3.2 h, 256-wide heads) and four
-rows of Megatron-LM's 2021 A100 table (1.7B to 1T).
+Each run is predicted on its own software stack (`openhosti_jax.planner.stacks`: fused or eager ops, flash or
+materialised attention, overlapped or exposed tensor-parallel and gradient collectives) and the planner chooses for
+the same stack. The runs: torchtitan Llama-3.1 8B FSDP on 8 and 128 H100 (Tables 1 and 3, eager and with
+torch.compile, no Float8; its own device type, the 500 W "H100 HBM2e", whose peak the source only bounds: the ratio
+at both ends is printed too), MaxText Llama-2 7B on one A3 VM, Megatron-Core's weak-scaling table (7.1B, 177B,
+462B) and the strong-scaling ends of its GPT-3 175B (96 and 4,608 GPUs), MaxText's 32B on a TPU v5p-128 (its 2023
+shape: MLP 3.2 h, 256-wide heads) and four rows of Megatron-LM's 2021 A100 table (1.7B to 1T, each configuration
+from ``examples/academic_paper_scripts/sc21/run_table_1.sh``). ``<run>_compile_speedup_pred_over_pub``: torchtitan's
+compiled over eager throughput, predicted over published.
 
     python benchmarks/scale.py        # about three minutes on CPU
 
@@ -44,7 +49,9 @@ import optax  # noqa: E402
 
 from openhosti_jax.models.gpt import GPT, GPTConfig  # noqa: E402
 from openhosti_jax.models.presets import ModelPreset, model_preset  # noqa: E402
+from openhosti_jax.planner.cluster import cluster  # noqa: E402
 from openhosti_jax.planner.predict import Prediction, predict  # noqa: E402
+from openhosti_jax.planner.stacks import STACKS  # noqa: E402
 
 
 def megatron_flops_per_token(layers: int, hidden: int, seq: int, vocab: int, recompute: bool) -> float:
@@ -95,8 +102,13 @@ class Run:
     """Per device."""
     source: str
     published_memory_gib: float | None = None
-    device_memory_gib: float | None = None
-    """The run's device memory where it differs from the profile's (torchtitan's H100s have 96 GB)."""
+    stack: str = "openhosti"
+    """The software that ran it (`openhosti_jax.planner.stacks.STACKS`)."""
+    virtual: int = 1
+    """Model chunks per pipeline stage (interleaved 1F1B where > 1)."""
+    grad_overlap: bool | None = None
+    """Whether the gradient all-reduce overlapped the backward, where the run's setting differs from its stack's
+    (Megatron 2021: ``--DDP-impl torch`` overlaps, ``local`` reduces after the backward)."""
 
 
 def maxtext_flops_per_token(params: float, layers: int, heads: int, head_dim: int, seq: int) -> float:
@@ -118,15 +130,17 @@ _MEGATRON_2021 = "NVIDIA/Megatron-LM README.md @ v2.5 (images/cases_april2021.pn
 _MAXTEXT_V5P = "AI-Hypercomputer/maxtext MaxText/configs/v5p/{README.md,32b.sh} and configs/base.yml @ 76bd53b0f"
 _MAXTEXT_A3 = "AI-Hypercomputer/maxtext MaxText/configs/a3/llama_2_7b/{README.md,1vm.sh} @ efb6d9e4a"
 H100_PEAK = 989e12
+H100_NVL_PEAK = 835e12
 
 
-def _titan(key: str, gpus: int, tps: float, mem: float) -> Run:
+def _titan(key: str, gpus: int, tps: float, mem: float, compiled: bool = False) -> Run:
     # Table 1/3: 1D FSDP, local batch 2, selective (op) activation checkpointing, bf16 compute with fp32 params
-    # (FSDP2 mixed precision), seq 8192 (llama3_8b.toml); H100 96 GB HBM2e at 500 W on Grand Teton.
+    # (FSDP2 mixed precision), seq 8192 (llama3_8b.toml), eager (the rows without torch.compile); the devices:
+    # "HBM2e-based SXM H100 with lower TDP" (96 GB, 2.4 TB/s, 500 W), the "H100 HBM2e" profile
     return Run(
         key,
         model_preset("llama3-8b", seq_len=8192),
-        f"{gpus}xH100",
+        f"{gpus}xH100 HBM2e",
         2 * gpus,
         f"fsdp={gpus}",
         3,
@@ -136,7 +150,7 @@ def _titan(key: str, gpus: int, tps: float, mem: float) -> Run:
         tps,
         _TITAN,
         mem,
-        96,
+        stack="torchtitan-compile" if compiled else "torchtitan",
     )
 
 
@@ -168,28 +182,46 @@ def _mcore(
         batch // dp,  # microbatches of one sequence, accumulated without a pipeline too
         tflops * 1e12 / per_token,
         source,
+        stack="megatron-core",
     )
 
 
-def _megatron2021(key: str, layers: int, hidden: int, mp: int, gpus: int, batch: int, tflops: float) -> Run:
-    # vocab 51,200, seq 2,048, full activation recomputation (counted in the TFLOP/s: 96 l h^2 ...), tensor
-    # parallel 8 inside a DGX A100 and the rest of the model-parallel size pipelined (the paper's placement),
-    # head dim 128 (heads are not in the README table and do not enter the FLOP count), microbatch 1
-    tp, pp = min(mp, 8), max(mp // 8, 1)
-    dp = gpus // mp
+def _megatron2021(
+    key: str,
+    layers: int,
+    hidden: int,
+    heads: int,
+    tp: int,
+    pp: int,
+    micro: int,
+    gpus: int,
+    batch: int,
+    tflops: float,
+    *,
+    ddp: str,
+    layers_per_chunk: int | None = None,
+) -> Run:
+    # examples/academic_paper_scripts/sc21/run_table_1.sh: heads, TP, PP, micro-batch size, DDP-impl and
+    # --num-layers-per-virtual-pipeline-stage per row; CONFIG.sh: seq 2,048, --fp16 (A100's fp16 and bf16 peaks
+    # are equal); vocab 51,200 (the GPT-2 BPE, padded); uniform full recomputation (counted in the TFLOP/s:
+    # 96 l h^2 ...)
+    dp = gpus // (tp * pp)
     per_token = megatron_flops_per_token(layers, hidden, 2048, 51200, recompute=True)
     return Run(
         key,
-        gpt(key, layers, hidden, hidden // 128, seq=2048, vocab=51200),
+        gpt(key, layers, hidden, heads, seq=2048, vocab=51200),
         f"{gpus}xA100",
         batch,
         f"stage={pp},data={dp},tensor={tp}",
         0,
         "full",
         "bf16",
-        batch // dp,  # microbatches of one sequence, accumulated without a pipeline too
+        batch // (dp * micro),
         tflops * 1e12 / per_token,
         _MEGATRON_2021,
+        stack="megatron-2021",
+        virtual=layers // pp // layers_per_chunk if layers_per_chunk else 1,
+        grad_overlap=ddp == "torch",
     )
 
 
@@ -215,6 +247,7 @@ def _maxtext_v5p_32b() -> Run:
         1,
         328e12 / per_token,
         _MAXTEXT_V5P,
+        stack="maxtext",
     )
 
 
@@ -225,8 +258,23 @@ def _runs() -> list[Run]:
     return [
         _titan("torchtitan_llama3_8b_8xH100", 8, 5762, 82.4),
         _titan("torchtitan_llama3_8b_128xH100", 128, 5605, 67.0),
+        _titan("torchtitan_llama3_8b_8xH100_compile", 8, 6667, 77.0, compiled=True),
+        _titan("torchtitan_llama3_8b_128xH100_compile", 128, 6514, 62.0, compiled=True),
         # MaxText A3 1 VM: ici_fsdp 8, per_device_batch_size 4, seq 4096, remat minimal_flash, bf16
-        Run("maxtext_llama2_7b_8xH100", llama2, "8xH100", 32, "fsdp=8", 3, "dots", "bf16", 1, 492e12 / a3, _MAXTEXT_A3),
+        Run(
+            "maxtext_llama2_7b_8xH100",
+            llama2,
+            "8xH100",
+            32,
+            "fsdp=8",
+            3,
+            "dots",
+            "bf16",
+            1,
+            492e12 / a3,
+            _MAXTEXT_A3,
+            stack="maxtext",
+        ),
         _maxtext_v5p_32b(),
         _mcore("megatron_core_7b_96xH100", 30, 4096, 32, 2, 1, 48, 192, 465.9),
         _mcore("megatron_core_177b_2304xH100", 96, 12288, 96, 8, 6, 48, 1152, 432.8),
@@ -234,10 +282,12 @@ def _runs() -> list[Run]:
         # strong scaling: the 177B row's TP 8 / PP 6, the rest data parallel (the README does not list them)
         _mcore("megatron_core_177b_96xH100", 96, 12288, 96, 8, 6, 2, 1152, 0.47 * H100_PEAK / 1e12, _MCORE_STRONG),
         _mcore("megatron_core_177b_4608xH100", 96, 12288, 96, 8, 6, 96, 1152, 0.42 * H100_PEAK / 1e12, _MCORE_STRONG),
-        _megatron2021("megatron_1_7b_32xA100", 24, 2304, 1, 32, 512, 137),
-        _megatron2021("megatron_18b_256xA100", 40, 6144, 8, 256, 1024, 135),
-        _megatron2021("megatron_145b_1536xA100", 80, 12288, 64, 1536, 2304, 148),
-        _megatron2021("megatron_1t_3072xA100", 128, 25600, 512, 3072, 3072, 163),
+        _megatron2021("megatron_1_7b_32xA100", 24, 2304, 24, 1, 1, 16, 32, 512, 137, ddp="torch"),
+        _megatron2021("megatron_18b_256xA100", 40, 6144, 48, 8, 1, 8, 256, 1024, 135, ddp="torch"),
+        _megatron2021(
+            "megatron_145b_1536xA100", 80, 12288, 96, 8, 8, 2, 1536, 2304, 148, ddp="local", layers_per_chunk=5
+        ),
+        _megatron2021("megatron_1t_3072xA100", 128, 25600, 160, 8, 64, 1, 3072, 3072, 163, ddp="local"),
     ]
 
 
@@ -245,7 +295,9 @@ RUNS: list[Run] = _runs()
 """The published runs, each with its source."""
 
 
-def predicted(run: Run, config: bool) -> Prediction:
+def predicted(run: Run, config: bool, peak: float | None = None) -> Prediction:
+    """The prediction of ``run``'s published configuration (``config``) or of the planner's choice, on the run's
+    cluster and software stack (``peak``: the device's bf16 peak in place of its profile's)."""
     batch = jax.ShapeDtypeStruct((run.global_batch, run.model.config.seq_len), jnp.int32)
     fixed: dict[str, Any] = (
         {
@@ -254,18 +306,23 @@ def predicted(run: Run, config: bool) -> Prediction:
             "remat": run.remat,
             "precision": run.precision,
             "microbatches": run.microbatches,
+            "virtual": run.virtual,
         }
         if config
         else {}
     )
-    budget = None if run.device_memory_gib is None else int(run.device_memory_gib * 2**30)
+    software = STACKS[run.stack]
+    if run.grad_overlap is not None:
+        software = dataclasses.replace(software, grad_overlap=run.grad_overlap)
+    where = dataclasses.replace(cluster(run.cluster), stack=software)  # the choice too: the same software
+    if peak is not None:
+        where = dataclasses.replace(where, profile=dataclasses.replace(where.profile, peak_flops=peak))
     return predict(
         run.model.init,
         optax.adamw(1e-4),
         batch,
-        run.cluster,
+        where,
         model_flops_per_token=run.model.flops_per_token,
-        memory_budget=budget,
         **fixed,
     )
 
@@ -286,7 +343,17 @@ def main() -> None:
             "published_config_fits_predicted": pub.fits,
         }
         print(run.key, pub, own, sep="\n", flush=True)
+        if run.cluster.endswith("H100 HBM2e"):  # its peak is only bounded: between the NVL's and the SXM's
+            out[f"{run.key}_tput_pred_over_pub_peak_range"] = [
+                round(predicted(run, True, p).tokens_per_second_per_device / run.published_tokens_per_s, 3)
+                for p in (H100_NVL_PEAK, H100_PEAK)
+            ]
     out["choice_over_published_config"] = choice
+    for gpus in (8, 128):  # torch.compile's speedup over eager, predicted over published (Tables 1 and 3)
+        key = f"torchtitan_llama3_8b_{gpus}xH100"
+        out[f"{key}_compile_speedup_pred_over_pub"] = round(
+            out[f"{key}_compile_tput_pred_over_pub"] / out[f"{key}_tput_pred_over_pub"], 3
+        )
     seed = model_preset("gpt3-175b")
     batch = jax.ShapeDtypeStruct((1536, 2048), jnp.int32)
     own = predict(seed.init, optax.adamw(1e-4), batch, "64xH100", model_flops_per_token=seed.flops_per_token)

@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import os
@@ -214,16 +215,20 @@ def cmd_predict(args: argparse.Namespace) -> int:
     seq = model.tokens_per_example
     examples = _global_batch(args.global_batch, seq)
     batch = model.sample_batch(examples)
+    where = _import("openhosti_jax.planner.cluster", "cluster")(args.cluster)
+    if args.stack is not None:
+        where = dataclasses.replace(where, stack=_import("openhosti_jax.planner.stacks", "stack")(args.stack))
     result = predict(
         model.init,
         optax.adamw(1e-4),
         batch,
-        args.cluster,
+        where,
         mesh=args.mesh,
         zero=args.zero,
         remat=args.remat,
         precision=args.precision,
         microbatches=args.microbatch or 1,
+        virtual=args.virtual,
         pipeline=not args.no_pipeline,
         model_flops_per_token=model.flops_per_token,
         memory_budget=None if args.memory_budget is None else int(args.memory_budget * 2**30),
@@ -376,6 +381,13 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--remat", default=None, help="none, dots, full or offload")
     pr.add_argument("--precision", default=None, help="fp32, bf16, bf16_params")
     pr.add_argument("--microbatch", type=int, default=None, help="microbatches per step (with --mesh)")
+    pr.add_argument("--virtual", type=int, default=1, help="interleaved chunks per pipeline stage (with --mesh)")
+    pr.add_argument(
+        "--stack",
+        default=None,
+        help="software that runs the step: openhosti (default), megatron-core, megatron-2021, torchtitan, "
+        "torchtitan-compile, maxtext",
+    )
     pr.add_argument("--no-pipeline", action="store_true", help="do not consider pipelined meshes")
     pr.add_argument("--memory-budget", type=float, default=None, help="GiB per device (default: the device's)")
     pr.add_argument("--json", action="store_true", help="print one JSON object")
