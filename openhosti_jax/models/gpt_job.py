@@ -129,6 +129,7 @@ def build_job(
         devices = None if mesh is None else list(mesh.devices.flat)
         mesh = build_mesh(MeshConfig.from_sizes(dict(keep["mesh_shape"])), devices)
         fields = {k: keep[k] for k in ("num_microbatches", "remat", "precision")}
+        fields["sequence_parallel"] = bool(keep.get("sequence_parallel", False))
         plan, report = resolve_plan(keep["zero_stage"], model_parts(init_fn, mesh=mesh).params, tx, mesh, **fields)
     elif job.plan == "auto" and mesh is None:
         tokens = jax.ShapeDtypeStruct((job.global_batch, job.model.seq_len), jnp.int32)

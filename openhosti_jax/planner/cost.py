@@ -212,6 +212,9 @@ def estimate(
         if spec_axes(ps) != spec_axes(bs)
     )
     act_per_example, split_share, reshard, cuts = work.tensor_split(tuple(_tensor_dim(bs) for bs in base), t)
+    sequence = plan.sequence_parallel and t > 1
+    if sequence:  # the activations the tensor split leaves whole are split along the sequence too
+        act_per_example = work.activation_bytes_per_example / t
     # every activation is written in the forward and read in the backward, the recomputed ones once more
     act_traffic = 2 * act_per_example * b_local * policy.flops_factor
     if work.activation_bytes_per_example:  # the policy's share of the (tensor-split) activations
@@ -275,7 +278,11 @@ def estimate(
     if t > 1:
         for x, bs, names in zip(params, base, names_, strict=True):
             width, layers = _tensor_activation_width(tuple(x.shape), bs, bool(names) and names[0] == LAYER_AXIS)
-            if width:  # per microbatch and layer
+            if width and sequence:  # a reduce-scatter into the sequence split, an all-gather out of it
+                nbytes = layers * tokens * width * work.activation_itemsize
+                coll("reduce_scatter", nbytes, ("tensor",), k * layers, what="tensor")
+                coll("all_gather", nbytes, ("tensor",), k * layers, what="tensor")
+            elif width:  # per microbatch and layer
                 nbytes = layers * tokens * width * work.activation_itemsize
                 coll("all_reduce", nbytes, ("tensor",), k * layers, what="tensor")
         # values whose split the ops cannot carry are gathered forward and reduce-scattered backward

@@ -83,6 +83,7 @@ class Prediction:
             "precision": p.precision,
             "microbatches": p.num_microbatches,
             "virtual": p.pipeline_virtual,
+            "sequence_parallel": p.sequence_parallel,
             "step_seconds": self.step_seconds,
             "tokens_per_second_per_device": self.tokens_per_second_per_device,
             "mfu": self.mfu,
@@ -102,7 +103,8 @@ class Prediction:
             (
                 "plan",
                 f"{mesh} zero{d['zero']} remat={d['remat']} {d['precision']} microbatches={d['microbatches']}"
-                + (f" virtual={d['virtual']}" if d["virtual"] > 1 else ""),
+                + (f" virtual={d['virtual']}" if d["virtual"] > 1 else "")
+                + (" sequence-parallel" if d["sequence_parallel"] else ""),
             ),
             ("step time", f"{d['step_seconds'] * 1e3:.1f} ms"),
             ("tokens/s per device", f"{d['tokens_per_second_per_device']:,.0f}"),
@@ -140,6 +142,7 @@ def predict(
     precision: str | None = None,
     microbatches: int = 1,
     virtual: int = 1,
+    sequence_parallel: bool | None = None,
     pipeline: bool = True,
     model_flops_per_token: float | None = None,
     memory_budget: int | None = None,
@@ -152,8 +155,10 @@ def predict(
     axis shards state else 0, ``remat`` default "none", ``precision`` default "bf16", ``microbatches``);
     without it, the planner chooses among every mesh (pipelines included unless ``pipeline=False``), ZeRO stage,
     remat policy and precision (``remat`` / ``precision`` restrict it); ``virtual`` > 1 interleaves that many model
-    chunks per pipeline stage (a fixed configuration's). ``model_flops_per_token``: the model's
-    training FLOPs per token for the utilisation (default: the traced matmul FLOPs)."""
+    chunks per pipeline stage and ``sequence_parallel`` splits the activations between blocks over the tensor axis
+    (a fixed configuration's; default: where the mesh has a tensor axis and no pipeline, as the planner does).
+    ``model_flops_per_token``: the model's training FLOPs per token for the utilisation (default: the traced matmul
+    FLOPs)."""
     c = cluster(where)
     tx = optimizer
     work = workload(model, sample_batch)
@@ -183,7 +188,11 @@ def predict(
         sharded = sizes["data"] * sizes["fsdp"] > 1
         stage = (3 if sharded else 0) if zero is None else zero
         axes = ("fsdp",) if sizes["data"] > 1 and sizes["fsdp"] > 1 else ZERO_AXES
-        candidate = Candidate(sizes, stage, axes, remat or "none", precision or "bf16", microbatches, virtual)
+        if sequence_parallel is None:
+            sequence_parallel = sizes["tensor"] > 1 and sizes["stage"] == 1
+        candidate = Candidate(
+            sizes, stage, axes, remat or "none", precision or "bf16", microbatches, virtual, sequence_parallel
+        )
         scored = score(work, tx, candidate, c)
         plan, parts = scored.plan, {"time": scored.estimate.time, "memory": scored.estimate.memory}
         seconds, nbytes = scored.estimate.seconds, float(scored.estimate.bytes)

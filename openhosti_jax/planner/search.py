@@ -71,6 +71,8 @@ class Candidate:
     """Gradient-accumulation steps."""
     virtual: int = 1
     """Model chunks per pipeline stage: > 1 interleaves them (interleaved 1F1B)."""
+    sequence_parallel: bool = False
+    """Activations between blocks split along the sequence over the tensor axis (`ShardingPlan.sequence_parallel`)."""
 
     @property
     def label(self) -> str:
@@ -79,6 +81,7 @@ class Candidate:
         extra = [f"remat={self.remat}"] if self.remat != "none" else []
         extra += [self.precision] if self.precision != "fp32" else []
         extra += [f"microbatches={self.microbatches}"] if self.microbatches > 1 else []
+        extra += ["sequence-parallel"] if self.sequence_parallel else []
         return " ".join([f"{axes} zero{self.zero_stage}", *extra])
 
 
@@ -117,7 +120,12 @@ def enumerate_candidates(
                 shape = {"stage": s, "data": rest // f, "fsdp": f, "tensor": t}
                 stages = [0] if f == 1 else [1, 2, 3]
                 axes = ("fsdp",) if rest // f > 1 else ZERO_AXES
-                out += [Candidate(shape, z, axes, precision=p) for p in precisions for z in stages]
+                sequence = t > 1 and s == 1  # it only saves memory: the same bytes move, the norms run split
+                out += [
+                    Candidate(shape, z, axes, precision=p, sequence_parallel=sequence)
+                    for p in precisions
+                    for z in stages
+                ]
     return out
 
 
@@ -141,7 +149,14 @@ def score(
         if sizes["stage"] == 1 or candidate.microbatches > 1
         else pipeline_microbatches(work, candidate)
     )
-    key = (tuple(sizes.items()), candidate.zero_stage, candidate.zero_axes, candidate.precision, candidate.virtual)
+    key = (
+        tuple(sizes.items()),
+        candidate.zero_stage,
+        candidate.zero_axes,
+        candidate.precision,
+        candidate.virtual,
+        candidate.sequence_parallel,
+    )
     if cache is not None and key in cache:
         plan, base, sharded, tx = cache[key]
         plan = dataclasses.replace(plan, remat=candidate.remat, num_microbatches=microbatches)
@@ -163,6 +178,7 @@ def score(
         num_microbatches=microbatches,
         pipeline_schedule="interleaved" if candidate.virtual > 1 else "1f1b",
         pipeline_virtual=candidate.virtual,
+        sequence_parallel=candidate.sequence_parallel,
     )
     if plan.zero_stage == 3:
         sharded = plan.param_specs
@@ -473,7 +489,12 @@ def plan_on_mesh(
     profile = device_profile(devices, device_profile_, max_bytes=gradient_bytes(work))
     budget, source = memory_budget_for(devices, profile, memory_budget)
     stages = [0] if dp == 1 else [0, 1, 2, 3]
-    candidates = [Candidate(sizes, z, precision=p) for p in precision_options(precision) for z in stages]
+    sequence = sizes.get("tensor", 1) > 1 and sizes.get("stage", 1) == 1
+    candidates = [
+        Candidate(sizes, z, precision=p, sequence_parallel=sequence)
+        for p in precision_options(precision)
+        for z in stages
+    ]
     accumulates = step_fn is not None and sample_batch is not None and step_accumulates(work, tx, step_fn)
     scored = search(
         work,

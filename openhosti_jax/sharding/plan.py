@@ -66,6 +66,10 @@ class ShardingPlan:
     """Rematerialisation policy of the model's repeated blocks (`openhosti_jax.policies.remat`)."""
     precision: str = "fp32"
     """Mixed-precision policy name (`openhosti_jax.policies.precision.PRECISIONS`)."""
+    sequence_parallel: bool = False
+    """With a ``tensor`` axis: the activations between repeated blocks are split over it along the sequence (Megatron's
+    sequence parallelism, MaxText's ``activation_embed`` over ``tensor``), so the blocks' norms and residuals are
+    not replicated; the tensor-parallel all-reduce becomes a reduce-scatter and an all-gather of the same bytes."""
 
     def __post_init__(self) -> None:
         check_remat(self.remat)
@@ -135,6 +139,8 @@ class ShardingPlan:
             text += repr((self.remat, self.precision))
         if self.pipeline_stages > 1:
             text += repr((self.pipeline_stages, self.pipeline_schedule, self.pipeline_virtual, self.stage_boundaries))
+        if self.sequence_parallel:
+            text += "sequence parallel"
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def decision(self) -> dict[str, Any]:
@@ -148,6 +154,7 @@ class ShardingPlan:
             "remat": self.remat,
             "precision": self.precision,
             "pipeline_stages": self.pipeline_stages,
+            "sequence_parallel": self.sequence_parallel,
         }
 
     def table(self, params: Any | None = None) -> str:
@@ -169,6 +176,7 @@ class ShardingPlan:
             ),
             f"  remat           {self.remat}",
             f"  precision       {self.precision}",
+            *(["  sequence parallel over tensor"] if self.sequence_parallel else []),
             f"  sharded leaves  {sum(1 for s in specs if spec_axes(s))}/{len(specs)}",
             "  parameter specs (largest first):" if params is not None else "  parameter specs:",
             *leaf_rows(self.param_specs, params),

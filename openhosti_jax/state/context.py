@@ -43,6 +43,37 @@ def constrain_gradients(grads: Any) -> Any:
     return jax.lax.with_sharding_constraint(grads, shardings)
 
 
+def active_sequence_sharding(
+    mesh: Any, batch_axes: Any, axis: str = "tensor"
+) -> contextlib.AbstractContextManager[None]:
+    """Within the block, `constrain_sequence` splits an activation's batch dim over ``batch_axes`` and its sequence
+    dim (the second) over ``axis`` of ``mesh``: a plan's sequence parallelism (`ShardingPlan.sequence_parallel`)."""
+    return _setting("sequence_sharding", (mesh, batch_axes, axis))
+
+
+def sequence_sharded() -> bool:
+    """Whether the enclosing step splits activations along the sequence (`active_sequence_sharding`)."""
+    return getattr(_local, "sequence_sharding", None) is not None
+
+
+def constrain_sequence(x: Any) -> Any:
+    """``x`` split over the batch and sequence axes set by `active_sequence_sharding` (unchanged outside one, and
+    for values that are not arrays of rank >= 3 whose batch and sequence dims the axes divide)."""
+    active = getattr(_local, "sequence_sharding", None)
+    if active is None or not isinstance(x, jax.Array) or x.ndim < 3:
+        return x
+    mesh, batch_axes, axis = active
+    shape = dict(mesh.shape)
+    names = batch_axes if isinstance(batch_axes, tuple) else (batch_axes,) if batch_axes else ()
+    ways = 1
+    for name in names:
+        ways *= shape.get(name, 1)
+    if x.shape[0] % ways or x.shape[1] % shape.get(axis, 1):
+        return x
+    spec = jax.sharding.PartitionSpec(batch_axes, axis, *([None] * (x.ndim - 2)))
+    return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, spec))
+
+
 class MicrobatchCount:
     """The accumulation count an ``@spmd`` step runs, and whether the traced step asked for it."""
 

@@ -32,6 +32,7 @@ from openhosti_jax.state.context import (
     active_gradient_shardings,
     active_microbatches,
     active_policies,
+    active_sequence_sharding,
     guarding_updates,
 )
 from openhosti_jax.state.contracts import StepFn
@@ -73,6 +74,7 @@ def jit_step(
             active_microbatches(k) as count,
             active_policies(plan.remat, plan.precision) as policies,
             guarding_updates() if guarded else contextlib.nullcontext() as update_guard,
+            sequence_context(plan, mesh),
         ):
             out = fn(s, b)
         if precision(plan.precision).loss_scaling and not policies.loss_scaled:
@@ -112,6 +114,15 @@ def jit_step(
     return jitted, state_sh
 
 
+def sequence_context(plan: ShardingPlan, mesh: Mesh) -> contextlib.AbstractContextManager[None]:
+    """Where ``plan`` is sequence parallel over a ``tensor`` axis of ``mesh``, the context in which the model's
+    repeated blocks take and return activations split along the sequence over it; else nothing."""
+    if not plan.sequence_parallel or dict(mesh.shape).get("tensor", 1) < 2:
+        return contextlib.nullcontext()
+    batch = tuple(plan.batch_spec)[0] if len(tuple(plan.batch_spec)) else None
+    return active_sequence_sharding(mesh, batch, "tensor")
+
+
 def jit_eval(
     fn: Any, plan: ShardingPlan, mesh: Mesh, state: Any, batch: Any, *, layout: StateLayout | None = None
 ) -> Any:
@@ -120,7 +131,7 @@ def jit_eval(
     state_sh = plan.shardings(mesh, state_specs(plan, state, layout))
 
     def traced(s: Any, b: Any) -> Any:
-        with active_policies(plan.remat, plan.precision):
+        with active_policies(plan.remat, plan.precision), sequence_context(plan, mesh):
             return fn(s, b)
 
     return jax.jit(

@@ -32,8 +32,16 @@ from jax.sharding import Mesh
 from openhosti_jax.errors import StateError
 from openhosti_jax.policies.precision import Precision, precision
 from openhosti_jax.policies.remat import checkpoint
-from openhosti_jax.state.blocks import linen_block_paths, mark_linen, mark_nnx, remat_linen, remat_nnx
-from openhosti_jax.state.context import blocks_marked, current_policies
+from openhosti_jax.state.blocks import (
+    linen_block_paths,
+    mark_linen,
+    mark_nnx,
+    remat_linen,
+    remat_nnx,
+    sequence_linen,
+    sequence_nnx,
+)
+from openhosti_jax.state.context import blocks_marked, current_policies, sequence_sharded
 from openhosti_jax.state.contracts import ApplyFn
 
 
@@ -63,6 +71,8 @@ def nnx_apply_fn(graphdef: Any) -> ApplyFn:
             _set_compute_dtype(module, mp)
             if remat_nnx(module, policies.remat) == 0:
                 call = checkpoint(module.__call__, policies.remat)
+            if sequence_sharded():
+                sequence_nnx(module)
             args, kwargs = mp.cast_to_compute((args, kwargs))
         out = mp.cast_output(call(*args, **kwargs))
         return (out, _split(module)[2]) if mutable else out
@@ -100,6 +110,8 @@ def policy_apply_fn(apply_fn: ApplyFn, block_paths: set[tuple[str, ...]] | None 
                 stack.enter_context(mark_linen(block_paths))
             if block_paths:
                 stack.enter_context(remat_linen(block_paths, remat))
+                if sequence_sharded():
+                    stack.enter_context(sequence_linen(block_paths))
             else:
                 call = checkpoint(apply_fn, remat)
             return mp.cast_output(call(params, *args, **kwargs))
