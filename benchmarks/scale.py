@@ -106,6 +106,8 @@ class Run:
     """The software that ran it (`openhosti_jax.planner.stacks.STACKS`)."""
     virtual: int = 1
     """Model chunks per pipeline stage (interleaved 1F1B where > 1)."""
+    sequence_parallel: bool = False
+    """Whether the activations between blocks were split over the tensor axis along the sequence."""
     grad_overlap: bool | None = None
     """Whether the gradient all-reduce overlapped the backward, where the run's setting differs from its stack's
     (Megatron 2021: ``--DDP-impl torch`` overlaps, ``local`` reduces after the backward)."""
@@ -168,7 +170,8 @@ def _mcore(
 ) -> Run:
     # vocab 131,072, seq 4,096 (README's benchmark configuration); the distributed optimizer (the README overlaps
     # its param gather): gradients reduce-scattered, parameters all-gathered, as ZeRO-2; microbatch 1 (not
-    # stated), selective recomputation (not stated), bf16
+    # stated), selective recomputation (not stated), bf16; sequence parallel (--tp-comm-overlap, which the README
+    # uses, asserts --sequence-parallel in megatron/training/arguments.py @ core_r0.8.0)
     per_token = megatron_core_flops_per_token(layers, hidden, 4096, 131072)
     return Run(
         key,
@@ -183,6 +186,7 @@ def _mcore(
         tflops * 1e12 / per_token,
         source,
         stack="megatron-core",
+        sequence_parallel=tp > 1,
     )
 
 
@@ -230,7 +234,8 @@ def _maxtext_v5p_32b() -> Run:
     # global_parameter_scale 32 on base 2560 x 8 heads x 256 head dim x 8192 ReLU MLP x 16 layers gives d_model
     # 10240, 32 heads of 256, MLP 32768, 32 layers, vocab 32768, seq 2048; per_device_batch_size 8 on 64 chips,
     # ici_fsdp -1 (16) x ici_tensor 4, remat minimal, bf16 compute over fp32 weights. MaxText tied the embedding
-    # (logits_via_embedding); this family's head is untied: the same FLOPs, 0.34B (1%) more parameters.
+    # (logits_via_embedding); this family's head is untied: the same FLOPs, 0.34B (1%) more parameters. Its
+    # logical_axis_rules put activation_embed on "tensor": the activations between blocks are split over it.
     model = gpt("maxtext_v5p_32b", 32, 10240, 32, seq=2048, vocab=32768, ffn=32768, head_dim=256)
     cfg = model.config
     tied = cfg.num_params() - cfg.d_model * cfg.vocab_size - cfg.vocab_size
@@ -248,6 +253,7 @@ def _maxtext_v5p_32b() -> Run:
         328e12 / per_token,
         _MAXTEXT_V5P,
         stack="maxtext",
+        sequence_parallel=True,
     )
 
 
@@ -307,6 +313,7 @@ def predicted(run: Run, config: bool, peak: float | None = None) -> Prediction:
             "precision": run.precision,
             "microbatches": run.microbatches,
             "virtual": run.virtual,
+            "sequence_parallel": run.sequence_parallel,
         }
         if config
         else {}
