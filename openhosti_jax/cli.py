@@ -378,7 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--global-batch", required=True, help="sequences (1536) or tokens (4Mtok, 4194304tok)")
     pr.add_argument("--mesh", default=None, help="fixed axis sizes, e.g. fsdp=8 or stage=8,tensor=8")
     pr.add_argument("--zero", type=int, default=None, choices=[0, 1, 2, 3], help="ZeRO stage (with --mesh)")
-    pr.add_argument("--remat", default=None, help="none, dots, full or offload")
+    pr.add_argument("--remat", default=None, help="none, dots, selective, full or offload")
     pr.add_argument("--precision", default=None, help="fp32, bf16, bf16_params")
     pr.add_argument("--microbatch", type=int, default=None, help="microbatches per step (with --mesh)")
     pr.add_argument("--virtual", type=int, default=1, help="interleaved chunks per pipeline stage (with --mesh)")

@@ -21,6 +21,7 @@ from flax import nnx
 
 from openhosti_jax.errors import StateError
 from openhosti_jax.models.attention import causal_mask, query_blocks
+from openhosti_jax.policies.remat import keep
 from openhosti_jax.sharding.rules import LAYER_AXIS
 from openhosti_jax.state.blocks import stack_modules
 
@@ -156,7 +157,7 @@ class Block(nnx.Module):
         b, s, _ = x.shape
         nh, a = self.cfg.n_heads, self.cfg.attention_width
         r1, r2 = jax.random.split(rng) if rng is not None else (None, None)
-        q, k, v = jnp.split(self.qkv(self.ln1(x)), 3, axis=-1)
+        q, k, v = jnp.split(keep(self.qkv(self.ln1(x))), 3, axis=-1)  # kept: the 1st and 3rd projections
         q, k, v = (t.reshape(b, s, nh, a // nh) for t in (q, k, v))
 
         def attend(qb: jax.Array, first: jax.Array) -> jax.Array:
@@ -165,9 +166,9 @@ class Block(nnx.Module):
             att = jax.nn.softmax(jnp.where(mask, att, jnp.finfo(att.dtype).min), axis=-1)
             return jnp.einsum("bhqk,bkhd->bqhd", att, v)
 
-        y = query_blocks(attend, q, self.cfg.attention_block).reshape(b, s, a)
+        y = keep(query_blocks(attend, q, self.cfg.attention_block).reshape(b, s, a))
         x = x + self._drop(self.proj(y), r1)
-        return x + self._drop(self.out(jax.nn.gelu(self.fc(self.ln2(x)))), r2)
+        return x + self._drop(self.out(jax.nn.gelu(keep(self.fc(self.ln2(x))))), r2)
 
 
 def stacked_blocks(cfg: GPTConfig, rngs: nnx.Rngs) -> Block:

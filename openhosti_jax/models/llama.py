@@ -26,6 +26,7 @@ from flax import nnx
 
 from openhosti_jax.errors import StateError
 from openhosti_jax.models.attention import causal_mask, query_blocks
+from openhosti_jax.policies.remat import keep
 from openhosti_jax.sharding.rules import LAYER_AXIS
 from openhosti_jax.state.blocks import stack_modules
 
@@ -234,9 +235,9 @@ class Block(nnx.Module):
         b, s, d = x.shape
         kvh, hd = self.cfg.n_kv_heads, self.cfg.head_dim
         group = self.cfg.n_heads // kvh
-        q = apply_rope(self.wq(x).reshape(b, s, kvh * group, hd), cos, sin)
+        q = apply_rope(keep(self.wq(x)).reshape(b, s, kvh * group, hd), cos, sin)  # kept: every other projection
         k = apply_rope(self.wk(x).reshape(b, s, kvh, hd), cos, sin)
-        v = self.wv(x).reshape(b, s, kvh, hd)
+        v = keep(self.wv(x)).reshape(b, s, kvh, hd)
         q = q.reshape(b, s, kvh, group, hd)  # query head h = kv head h // group, member h % group
 
         def attend(qb: jax.Array, first: jax.Array) -> jax.Array:
@@ -246,13 +247,13 @@ class Block(nnx.Module):
             att = jax.nn.softmax(jnp.where(mask, att, jnp.finfo(att.dtype).min), axis=-1).astype(x.dtype)
             return jnp.einsum("bngqk,bknd->bqngd", att, v)
 
-        y = query_blocks(attend, q, self.cfg.attention_block).reshape(b, s, d)
+        y = keep(query_blocks(attend, q, self.cfg.attention_block).reshape(b, s, d))
         return self.wo(y)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
         x = x + self.attention(self.attn_norm(x), cos, sin)
         h = self.mlp_norm(x)
-        return x + self.down(jax.nn.silu(self.gate(h)) * self.up(h))
+        return x + keep(self.down(jax.nn.silu(keep(self.gate(h))) * self.up(h)))
 
 
 def stacked_blocks(cfg: LlamaConfig, rngs: nnx.Rngs) -> Block:

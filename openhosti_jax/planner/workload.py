@@ -30,7 +30,7 @@ from jax.extend.core import Literal
 from openhosti_jax.errors import BatchError
 from openhosti_jax.flops import count_flops, dot_flops
 from openhosti_jax.planner.propagate import propagate
-from openhosti_jax.policies.remat import RECOMPUTE_FRACTION
+from openhosti_jax.policies.remat import KEEP_NAME, RECOMPUTE_FRACTION
 from openhosti_jax.sharding.rules import LAYER_AXIS, logical_names, unbox
 from openhosti_jax.sizes import leaf_bytes
 from openhosti_jax.state.context import active_policies
@@ -150,7 +150,11 @@ class Workload:
         kept = self.policy_activations("none", precision)  # every residual, in this precision
         # during the backward one block at a time recomputes its residuals (all of them for a whole-model remat)
         recompute = max((kept.bytes_per_example if kept else saved) - saved, 0.0) / max(blocks, 1)
-        return PolicyActivations(saved + recompute, 1.0 + RECOMPUTE_FRACTION[remat])
+        factor = 1.0 + RECOMPUTE_FRACTION[remat]
+        if remat == "selective":  # and the projections whose outputs the blocks do not keep, run again
+            total = count_flops(forward.jaxpr, matmul_only=True)
+            factor += _unkept_projection_flops(forward.jaxpr) / (3 * total) if total else 0.0
+        return PolicyActivations(saved + recompute, factor)
 
     def gemm_sizes(self, batched: bool | None = None) -> tuple[tuple[float, float], ...]:
         """``(M N K of one call at batch size 1, its share of the matmul FLOPs)`` for every matmul of the traced step,
@@ -317,6 +321,39 @@ def _gemms(jaxpr: Any, trips: float, sizes: dict[float, float], batched: bool | 
                 continue
             flops = dot_flops(eqn)
             sizes[flops / 2] = sizes.get(flops / 2, 0.0) + flops * trips
+
+
+_PASS_THROUGH = frozenset("add convert_element_type reshape squeeze expand_dims broadcast_in_dim".split())
+
+
+def _unkept_projection_flops(jaxpr: Any, inside: bool = False) -> float:
+    """FLOPs of the matmuls without batch dims inside checkpointed calls of ``jaxpr`` whose outputs do not reach a
+    value named `openhosti_jax.policies.remat.KEEP_NAME` (through adds, casts and reshapes): what remat
+    ``"selective"`` computes again in the backward (a scan body's once per trip)."""
+    total = 0.0
+    origin: dict[Any, Any] = {}  # value -> the projection it was made from
+    kept: set[Any] = set()
+    flops: dict[Any, float] = {}
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        subs = [getattr(s, "jaxpr", s) for s in _sub_jaxprs(eqn)]
+        if subs:
+            trips = eqn.params.get("length", 1) if name == "scan" else 1
+            into = inside or name in ("remat", "checkpoint", "remat2")
+            if name in ("cond", "switch"):
+                subs = [max(subs, key=lambda j: count_flops(j, matmul_only=True))]
+            total += trips * sum(_unkept_projection_flops(sub, into) for sub in subs)
+            continue
+        if name == "dot_general" and inside and not eqn.params["dimension_numbers"][1][0]:
+            origin[eqn.outvars[0]] = eqn
+            flops[eqn] = dot_flops(eqn)
+        elif name == "name" and eqn.params.get("name") == KEEP_NAME:
+            kept.update(origin[v] for v in eqn.invars if not isinstance(v, Literal) and v in origin)
+        elif name in _PASS_THROUGH:
+            made = [origin[v] for v in eqn.invars if not isinstance(v, Literal) and v in origin]
+            if len(made) == 1:
+                origin.update(dict.fromkeys(eqn.outvars, made[0]))
+    return total + sum(f for eqn, f in flops.items() if eqn not in kept)
 
 
 def remat_blocks(jaxpr: Any) -> int:

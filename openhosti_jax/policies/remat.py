@@ -2,7 +2,9 @@
 recomputes.
 
 ``"none"`` keeps every residual; ``"dots"`` keeps the outputs of matmuls without batch dims (the projections)
-and recomputes the rest (attention scores, norms, activations); ``"full"`` keeps only each block's inputs and
+and recomputes the rest (attention scores, norms, activations); ``"selective"`` keeps only what the block marks
+with `keep` (the bundled models: the attention output and every other projection, torchtitan's selective op
+checkpointing) and recomputes the rest; ``"full"`` keeps only each block's inputs and
 recomputes the whole block; ``"offload"`` moves the saved matmul outputs to host memory where the backend has a
 pinned host memory space (GPU, TPU), and is not available elsewhere.
 
@@ -25,17 +27,33 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 
 from openhosti_jax.errors import PlanningError
 
-REMAT_POLICIES = ("none", "dots", "full", "offload")
+REMAT_POLICIES = ("none", "dots", "selective", "full", "offload")
 """Every policy name, from the most memory kept to the least (``"offload"`` keeps what ``"dots"`` keeps, on the
 host)."""
 
-RECOMPUTE_FRACTION = {"none": 0.0, "dots": 0.1, "full": 1.0 / 3.0, "offload": 0.0}
+RECOMPUTE_FRACTION = {"none": 0.0, "dots": 0.1, "selective": 0.1, "full": 1.0 / 3.0, "offload": 0.0}
 """Extra FLOPs per step as a fraction of the forward + backward FLOPs (3 x forward): ``"full"`` runs each block's
 forward once more (1/3); ``"dots"`` recomputes only the elementwise work and attention between the kept matmuls
-(priced at a tenth); ``"offload"`` recomputes nothing and pays transfers instead."""
+(priced at a tenth); ``"selective"`` that and the projections it does not keep (counted from the trace by the
+planner); ``"offload"`` recomputes nothing and pays transfers instead."""
+
+KEEP_NAME = "openhosti_keep"
+"""The name `keep` gives a value (`jax.ad_checkpoint.checkpoint_name`): what remat ``"selective"`` saves."""
+
+
+def keep(x: Any) -> Any:
+    """``x``, marked as kept for the backward under remat ``"selective"`` (recomputed otherwise); a model calls it
+    on the block values worth keeping, e.g. every other projection's output and the attention output.
+
+    >>> import jax.numpy as jnp
+    >>> float(keep(jnp.ones(())))
+    1.0
+    """
+    return checkpoint_name(x, KEEP_NAME)
 
 
 def check_remat(name: str) -> str:
@@ -66,6 +84,8 @@ def jax_policy(name: str) -> Callable[..., bool] | None:
         return policies.dots_with_no_batch_dims_saveable
     if name == "offload":
         return policies.offload_dot_with_no_batch_dims("device", "pinned_host")
+    if name == "selective":
+        return policies.save_only_these_names(KEEP_NAME)
     return policies.nothing_saveable if name == "full" else policies.everything_saveable
 
 
