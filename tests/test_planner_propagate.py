@@ -26,6 +26,17 @@ def test_column_then_row_marks_hidden_only():
     assert split_flops == 2 * 4 * 8 * 32 * 2 and resharded == 0 and cut == 0  # both matmuls split, no regathering
 
 
+def test_a_value_kept_for_selective_remat_carries_its_split():
+    """`keep` (a checkpoint name) is the identity: the split flows through it, nothing is regathered."""
+    from openhosti_jax.policies.remat import keep
+
+    j = jax.make_jaxpr(lambda w1, w2, x: keep(jnp.tanh(x @ w1)) @ w2)(
+        jnp.ones((8, 32)), jnp.ones((32, 8)), jnp.ones((4, 8))
+    )
+    _, split_flops, resharded, _ = propagate(j.jaxpr, [1, 0, None], 2)
+    assert split_flops == 2 * 4 * 8 * 32 * 2 and resharded == 0
+
+
 def test_unsplit_params_mark_nothing():
     j = jax.make_jaxpr(mlp)(jnp.ones((8, 32)), jnp.ones((32, 8)), jnp.ones((4, 8)))
     dims, split_flops, *_ = propagate(j.jaxpr, [None, None, None], 2)
