@@ -12,7 +12,7 @@ model and step can run (`policy_variants`), and each precision the user allows i
 Example:
     >>> from openhosti_jax.planner.search import enumerate_candidates
     >>> [c.label for c in enumerate_candidates(2)]
-    ['data=2 zero0', 'fsdp=2 zero1', 'fsdp=2 zero2', 'fsdp=2 zero3', 'tensor=2 zero0']
+    ['data=2 zero0', 'fsdp=2 zero1', 'fsdp=2 zero2', 'fsdp=2 zero3', 'tensor=2 zero0 sequence-parallel']
 """
 
 from __future__ import annotations
