@@ -280,7 +280,7 @@ def _runs() -> list[Run]:
             1,
             492e12 / a3,
             _MAXTEXT_A3,
-            stack="maxtext",
+            stack="maxtext-gpu",
         ),
         _maxtext_v5p_32b(),
         _mcore("megatron_core_7b_96xH100", 30, 4096, 32, 2, 1, 48, 192, 465.9),

@@ -386,7 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--stack",
         default=None,
         help="software that runs the step: openhosti (default), megatron-core, megatron-2021, torchtitan, "
-        "torchtitan-compile, maxtext",
+        "torchtitan-compile, maxtext (TPU), maxtext-gpu",
     )
     pr.add_argument("--no-pipeline", action="store_true", help="do not consider pipelined meshes")
     pr.add_argument("--memory-budget", type=float, default=None, help="GiB per device (default: the device's)")

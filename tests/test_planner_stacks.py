@@ -15,6 +15,7 @@ from openhosti_jax.models.gpt import GPT, GPTConfig
 from openhosti_jax.models.llama import Llama, LlamaConfig
 from openhosti_jax.planner.cluster import Cluster
 from openhosti_jax.planner.cost import matmul_efficiency
+from openhosti_jax.planner.predict import predict
 from openhosti_jax.planner.profiles import PROFILES
 from openhosti_jax.planner.search import Candidate, score
 from openhosti_jax.planner.stacks import STACKS, Stack, stack
@@ -133,3 +134,23 @@ def test_stacks_are_named_cited_and_checked():
     with pytest.raises(PlanningError, match="attention_efficiency"):
         Stack("x", attention_efficiency=1.5)
     assert Cluster(H100).stack.name == "openhosti"  # the default: this library's
+
+
+def test_a_pipeline_splits_tensors_only_where_the_stack_does():
+    """This library's pipeline stages split only the batch: a pipelined mesh with a tensor axis is refused on its
+    stack and priced, sequence parallel, on Megatron-Core's."""
+    init = lambda r: GPT(CFG, rngs=nnx.Rngs(r))  # noqa: E731
+    mesh = "stage=2,fsdp=2,tensor=2"
+    with pytest.raises(PlanningError, match="pipeline_tensor"):
+        predict(init, optax.adam(1e-3), BATCH, Cluster(H100, 1, 8), mesh=mesh, microbatches=4)
+    p = predict(init, optax.adam(1e-3), BATCH, Cluster(H100, 1, 8, STACKS["megatron-core"]), mesh=mesh, microbatches=4)
+    assert p.plan.sequence_parallel and p.plan.pipeline_stages == 2
+
+
+def test_cudnn_attention_is_priced_at_its_measured_forward_and_backward_rates():
+    """Megatron-Core and MaxText on GPU run Transformer Engine's cuDNN attention: a step's attention takes the
+    forward's FLOPs at 518 TFLOP/s and the backward's 2.5x at 499 (FlashAttention-3's H100 figures)."""
+    forward = 1e15
+    seconds = forward / 518e12 + 2.5 * forward / 499e12
+    for name in ("megatron-core", "maxtext-gpu"):
+        assert 3.5 * forward / (989e12 * STACKS[name].attention_efficiency) == pytest.approx(seconds)

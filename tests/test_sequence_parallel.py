@@ -76,9 +76,15 @@ def test_the_sequence_split_saves_what_the_cost_model_predicts():
     assert got[True][0] < got[False][0]
 
 
-def test_the_planner_splits_the_sequence_wherever_it_splits_tensors_without_a_pipeline():
-    for c in enumerate_candidates(16, pipeline=True, precisions=("bf16",)):
-        assert c.sequence_parallel == (c.mesh_shape["tensor"] > 1 and c.mesh_shape["stage"] == 1)
+def test_the_planner_splits_the_sequence_wherever_it_splits_tensors():
+    """This library's pipeline stages split only the batch, so its pipelined meshes have no tensor axis; a stack
+    whose stages split tensors (Megatron) gets those meshes, sequence parallel like the rest."""
+    own = enumerate_candidates(16, pipeline=True, precisions=("bf16",))
+    assert not [c for c in own if c.mesh_shape["stage"] > 1 and c.mesh_shape["tensor"] > 1]
+    megatron = enumerate_candidates(16, pipeline=True, precisions=("bf16",), pipeline_tensor=True)
+    assert [c for c in megatron if c.mesh_shape["stage"] > 1 and c.mesh_shape["tensor"] > 1]
+    for c in own + megatron:
+        assert c.sequence_parallel == (c.mesh_shape["tensor"] > 1)
 
 
 def test_the_split_moves_the_same_bytes_as_a_reduce_scatter_and_an_all_gather():

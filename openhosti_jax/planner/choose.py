@@ -111,6 +111,7 @@ def choose_plan(
         precisions=precision_options(precision),
         max_tensor=where.devices_per_host if isinstance(where, Cluster) and where.hosts > 1 else None,
         max_stages=work.layer_count,
+        pipeline_tensor=where.stack.pipeline_tensor if isinstance(where, Cluster) else False,
     )
     scored = search(
         work,

@@ -156,7 +156,8 @@ def predict(
     without it, the planner chooses among every mesh (pipelines included unless ``pipeline=False``), ZeRO stage,
     remat policy and precision (``remat`` / ``precision`` restrict it); ``virtual`` > 1 interleaves that many model
     chunks per pipeline stage and ``sequence_parallel`` splits the activations between blocks over the tensor axis
-    (a fixed configuration's; default: where the mesh has a tensor axis and no pipeline, as the planner does).
+    (a fixed configuration's; default: where the mesh has a tensor axis, as the planner does). A pipelined mesh
+    with a tensor axis needs a stack whose stages split over it (`Stack.pipeline_tensor`), else `PlanningError`.
     ``model_flops_per_token``: the model's training FLOPs per token for the utilisation (default: the traced matmul
     FLOPs)."""
     c = cluster(where)
@@ -185,11 +186,17 @@ def predict(
                 f"the mesh {sizes} spans {math.prod(sizes.values())} devices but the cluster has {c.n_devices}; "
                 "give axis sizes whose product is the device count"
             )
+        if sizes["stage"] > 1 and sizes["tensor"] > 1 and not c.stack.pipeline_tensor:
+            raise PlanningError(
+                f"the mesh {sizes} pipelines over a tensor axis, but the {c.stack.name!r} stack's pipeline stages "
+                "split only the batch (Stack.pipeline_tensor is False); drop the tensor axis, or price another "
+                "stack's pipeline (e.g. 'megatron-core')"
+            )
         sharded = sizes["data"] * sizes["fsdp"] > 1
         stage = (3 if sharded else 0) if zero is None else zero
         axes = ("fsdp",) if sizes["data"] > 1 and sizes["fsdp"] > 1 else ZERO_AXES
         if sequence_parallel is None:
-            sequence_parallel = sizes["tensor"] > 1 and sizes["stage"] == 1
+            sequence_parallel = sizes["tensor"] > 1
         candidate = Candidate(
             sizes, stage, axes, remat or "none", precision or "bf16", microbatches, virtual, sequence_parallel
         )

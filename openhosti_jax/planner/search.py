@@ -107,20 +107,24 @@ def enumerate_candidates(
     precisions: Sequence[str] = ("fp32",),
     max_tensor: int | None = None,
     max_stages: int | None = None,
+    pipeline_tensor: bool = False,
 ) -> list[Candidate]:
     """Every distinct (mesh shape, ZeRO stage) for ``n_devices``, once per precision of ``precisions``
     (``max_tensor``: the largest tensor axis, e.g. the devices of one host: a tensor-parallel group that crosses
     hosts all-reduces every layer's activations over the slow link; ``max_stages``: the most pipeline stages, the
-    model's layer count)."""
+    model's layer count; ``pipeline_tensor``: whether a pipeline stage can split its layers over ``tensor``, as
+    `Stack.pipeline_tensor` says; this library's pipeline cannot, so by default a pipelined mesh has none)."""
     out = []
     for s in [s for s in divisors(n_devices) if max_stages is None or s <= max_stages] if pipeline else [1]:
         for t in [t for t in divisors(n_devices // s) if max_tensor is None or t <= max_tensor] if tensor else [1]:
+            if s > 1 and t > 1 and not pipeline_tensor:
+                continue
             rest = n_devices // (s * t)
             for f in divisors(rest):
                 shape = {"stage": s, "data": rest // f, "fsdp": f, "tensor": t}
                 stages = [0] if f == 1 else [1, 2, 3]
                 axes = ("fsdp",) if rest // f > 1 else ZERO_AXES
-                sequence = t > 1 and s == 1  # it only saves memory: the same bytes move, the norms run split
+                sequence = t > 1  # it only saves memory: the same bytes move, the norms run split
                 out += [
                     Candidate(shape, z, axes, precision=p, sequence_parallel=sequence)
                     for p in precisions
@@ -251,7 +255,8 @@ def search(
     and divides what it splits (as Megatron needs the heads divisible by the tensor-parallel size). A candidate
     predicted over ``memory_budget`` is also scored with each remat policy of ``remats`` and microbatch count
     (`policy_variants`): they only save memory (each costs recomputation or a loop trip), so a plan that fits
-    without them is never slower with them."""
+    without them is never slower with them. A pipelined candidate is also scored with each of its microbatch
+    counts, fitting or not: more microbatches shrink the bubble (1F1B holds at most S of them in flight)."""
     found: list[tuple[int, int, Scored]] = []
     sharded: dict[Any, Any] = {}
     kw.setdefault("cache", {})
@@ -269,10 +274,14 @@ def search(
         found.append((position[id(c)], 0, s))
         if memory_budget is not None and s.estimate.bytes > memory_budget:
             variants = policy_variants(c, work, remats, accumulates)
-            found += [
-                (position[id(c)], i + 1, score(work, tx, v, profile, sharded_specs=sharded.get(group), **kw))
-                for i, v in enumerate(variants)
-            ]
+        elif c.mesh_shape["stage"] > 1:  # more microbatches shrink a pipeline's bubble: a speed choice too
+            variants = policy_variants(c, work, (c.remat,), accumulates)
+        else:
+            variants = []
+        found += [
+            (position[id(c)], i + 1, score(work, tx, v, profile, sharded_specs=sharded.get(group), **kw))
+            for i, v in enumerate(variants)
+        ]
     out = [s for _, _, s in sorted(found, key=lambda t: t[:2])]
     if not out:
         raise PlanningError(

@@ -54,6 +54,10 @@ class Stack:
     """Whether the gradient reduction (and ZeRO's parameter gather) overlaps the backward (PyTorch DDP's buckets,
     FSDP's prefetch, XLA's latency-hiding scheduler); False: it runs after the backward (Megatron's
     ``--DDP-impl local``)."""
+    pipeline_tensor: bool = True
+    """Whether a pipeline stage splits its layers over the tensor axis too (Megatron, torchtitan and MaxText run
+    tensor and sequence parallelism inside each stage); False: the stages split only the batch (this library's
+    pipeline executor), so a pipelined mesh has no tensor axis."""
     sources: tuple[str, ...] = ()
     """Where the traits come from."""
 
@@ -95,17 +99,35 @@ _FA2_H100 = (
     "989 peak; pytorch/pytorch#138522 (in 2.5.1: cuDNN attention last in SDPA's order, so flash is taken) and "
     "pytorch/pytorch#142132 (nightly 2024-12-04 on H100: SDPA 329.5 TFLOP/s, cuDNN 631.3, 'This is expected')"
 )
+_CUDNN_H100 = (
+    "Shah et al. 2024, FlashAttention-3 (arXiv 2407.08608), attention speed on H100 80GB SXM5 at 4k tokens, head "
+    "dim 128, BF16: cuDNN forward with the causal mask 518 TFLOP/s, backward 499 (the cuDNN bars of its forward "
+    "and backward figures)",
+    "NVIDIA/NeMo docs memory_optimizations.rst (NVIDIA/NeMo#9188): 'Transformer Engine prefers cuDNN flash "
+    "attention on Hopper+ architectures'",
+)
+
+
+def _step_efficiency(forward: float, backward: float, peak: float) -> float:
+    """Fraction of ``peak`` an attention kernel sustains over forward and backward, from its measured rate in each:
+    the backward does 2.5x the forward's FLOPs (five matmuls to two), as FlashAttention's benchmarks count."""
+    return 3.5 / (1 / forward + 2.5 / backward) / peak
+
+
+_CUDNN_H100_EFFICIENCY = _step_efficiency(518e12, 499e12, 989e12)
 STACKS: dict[str, Stack] = {
     "openhosti": Stack(
         "openhosti",
         fused=True,
         flash_attention=True,
         tensor_overlap=False,
+        pipeline_tensor=False,
         sources=(
             "this library on XLA: elementwise ops fused; attention as query blocks (each block's scores stay in a "
             "fusion and are recomputed in the backward), every block computed and masked; the latency-hiding "
             "scheduler overlaps gradient and ZeRO collectives with other layers' work, but a tensor-parallel "
-            "all-reduce sits between two dependent matmuls of one layer (no collective matmul by default)",
+            "all-reduce sits between two dependent matmuls of one layer (no collective matmul by default); the "
+            "pipeline executor (openhosti_jax.pipeline.executor) splits each stage's batch over data / fsdp only",
         ),
     ),
     "megatron-2021": Stack(
@@ -123,7 +145,13 @@ STACKS: dict[str, Stack] = {
         sources=_MEGATRON_2021,
     ),
     "megatron-core": Stack(
-        "megatron-core", fused=True, flash_attention=True, causal_skip=True, tensor_overlap=True, sources=_MCORE
+        "megatron-core",
+        fused=True,
+        flash_attention=True,
+        causal_skip=True,
+        attention_efficiency=_CUDNN_H100_EFFICIENCY,
+        tensor_overlap=True,
+        sources=(*_MCORE, *_CUDNN_H100),
     ),
     "torchtitan": Stack(
         "torchtitan",
@@ -150,8 +178,22 @@ STACKS: dict[str, Stack] = {
         causal_skip=True,
         tensor_overlap=False,
         sources=(
-            "AI-Hypercomputer/maxtext: XLA-fused ops, attention 'cudnn_flash_te' on GPU and the splash / flash "
-            "Pallas kernel on TPU (skipping the causal mask's blocks); no collective matmul in the configs compared",
+            "AI-Hypercomputer/maxtext on TPU: XLA-fused ops, the splash / flash Pallas attention kernel (skipping the "
+            "causal mask's blocks; no published rate, so priced on the matmul curve); no collective matmul in the "
+            "configs compared",
+        ),
+    ),
+    "maxtext-gpu": Stack(
+        "maxtext-gpu",
+        fused=True,
+        flash_attention=True,
+        causal_skip=True,
+        attention_efficiency=_CUDNN_H100_EFFICIENCY,
+        tensor_overlap=False,
+        sources=(
+            "AI-Hypercomputer/maxtext MaxText/configs/a3/llama_2_7b/1vm.sh @ efb6d9e4a: XLA-fused ops, "
+            "attention=cudnn_flash_te (Transformer Engine's cuDNN flash attention)",
+            _CUDNN_H100[0],
         ),
     ),
 }
