@@ -154,3 +154,25 @@ def test_cudnn_attention_is_priced_at_its_measured_forward_and_backward_rates():
     seconds = forward / 518e12 + 2.5 * forward / 499e12
     for name in ("megatron-core", "maxtext-gpu"):
         assert 3.5 * forward / (989e12 * STACKS[name].attention_efficiency) == pytest.approx(seconds)
+
+
+def test_a_compilers_rematerialisation_recomputes_the_overflow_toward_full_recomputation():
+    """XLA's rematerialization pass (MaxText on TPU): a plan over the device's memory recomputes the overflow, that
+    share of the way from its policy to full recomputation in bytes and in compute; off, the overflow stays."""
+    w = workload(lambda r: GPT(CFG, rngs=nnx.Rngs(r)), jax.ShapeDtypeStruct((256, 128), jnp.int32))
+    c = Candidate(_mesh(data=8), 0, remat="dots", precision="bf16")
+
+    def est(remat: str, memory: int | None, compiler_remat: bool):
+        profile = dataclasses.replace(H100, memory_bytes=memory)
+        where = Cluster(profile, 1, 8, dataclasses.replace(STACKS["openhosti"], compiler_remat=compiler_remat))
+        return score(w, optax.adam(1e-3), dataclasses.replace(c, remat=remat), where).estimate
+
+    dots, full = est("dots", None, False), est("full", None, False)
+    budget = int((dots.bytes + full.bytes) / 2)
+    assert est("dots", budget, False).bytes == dots.bytes > budget  # no compiler remat: it would not fit
+    squeezed = est("dots", budget, True)
+    share = (dots.bytes - budget) / (dots.bytes - full.bytes)
+    assert squeezed.bytes == pytest.approx(budget, abs=1)
+    compute = dots.time["compute"] + share * (full.time["compute"] - dots.time["compute"])
+    assert squeezed.time["compute"] == pytest.approx(compute)
+    assert est("dots", 2 * dots.bytes, True).time == dots.time  # room to spare: nothing recomputed

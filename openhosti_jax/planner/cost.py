@@ -215,8 +215,7 @@ def estimate(
     sequence = plan.sequence_parallel and t > 1
     if sequence:  # the activations the tensor split leaves whole are split along the sequence too
         act_per_example = work.activation_bytes_per_example / t
-    # every activation is written in the forward and read in the backward, the recomputed ones once more
-    act_traffic = 2 * act_per_example * b_local * policy.flops_factor
+    split_act = act_per_example  # every activation, after the tensor / sequence split
     if work.activation_bytes_per_example:  # the policy's share of the (tensor-split) activations
         act_per_example *= policy.bytes_per_example / work.activation_bytes_per_example
     act = act_per_example * b_local / k
@@ -238,7 +237,19 @@ def estimate(
         param_local * mp.compute_dtype.itemsize / mp.param_dtype.itemsize if mp.compute_dtype != mp.param_dtype else 0.0
     )
     temp = (max(act + gathered + max(grad_full, default=0), reduction) + accumulator + cast) / stages
+    factor = policy.flops_factor
+    over = state + batch + temp - (profile.memory_bytes or math.inf)
+    if cluster.stack.compiler_remat and over > 0 and plan.remat not in ("full", "offload"):
+        full = work.policy_activations("full", plan.precision)
+        droppable = act * (1 - full.bytes_per_example / policy.bytes_per_example) if full else 0.0
+        if droppable > 0:  # the compiler recomputes the overflow: that share of the way to full recomputation
+            drop = min(over * stages, droppable)
+            factor += drop / droppable * (full.flops_factor - policy.flops_factor)
+            act -= drop
+            temp = (max(act + gathered + max(grad_full, default=0), reduction) + accumulator + cast) / stages
     memory = {"state": state, "batch": batch, "temporaries": temp, "total": state + batch + temp}
+    # every activation is written in the forward and read in the backward, the recomputed ones once more
+    act_traffic = 2 * split_act * b_local * factor
 
     comm = {"gather": 0.0, "grad": 0.0, "tensor": 0.0}  # seconds by what the collectives move
     comm_b = 0.0
@@ -289,7 +300,7 @@ def estimate(
         coll("all_gather", reshard * b_local, ("tensor",), k, what="tensor")
         coll("reduce_scatter", reshard * b_local, ("tensor",), k, what="tensor")
     split = 1 - split_share + split_share / t  # the share of a replica's per-example work one device does
-    flops = work.flops_per_example * b_local * split * policy.flops_factor
+    flops = work.flops_per_example * b_local * split * factor
     if stages > 1:  # the pipeline's backward recomputes its chunk's forward from the stored input
         flops *= 4 / 3
     stack = cluster.stack
@@ -308,7 +319,7 @@ def estimate(
     if aw is not None and not stack.fused:  # eager: every elementwise op reads and writes device memory, the
         # backward about twice the forward (the output's gradient and the saved inputs read, the input's written)
         scale = mp.compute_dtype.itemsize / work.activation_itemsize
-        mem_bytes += 3 * aw.elementwise_bytes * scale * b_local * split * policy.flops_factor - act_traffic
+        mem_bytes += 3 * aw.elementwise_bytes * scale * b_local * split * factor - act_traffic
     if aw is not None and not stack.flash_attention:  # scores written and read by separate kernels
         again = stack.score_bytes_forward if plan.remat != "none" else 0.0  # recomputed with the block
         mem_bytes += aw.score_elements * b_local / t * (stack.score_bytes + again)

@@ -54,6 +54,13 @@ class Stack:
     """Whether the gradient reduction (and ZeRO's parameter gather) overlaps the backward (PyTorch DDP's buckets,
     FSDP's prefetch, XLA's latency-hiding scheduler); False: it runs after the backward (Megatron's
     ``--DDP-impl local``)."""
+    compiler_remat: bool = False
+    """Whether the compiler recomputes saved activations when a step would overflow device memory (XLA's HLO
+    rematerialization pass, on by default; MaxText's GPU scripts turn it off with
+    ``--xla_disable_hlo_passes=rematerialization``): a plan over the device's memory recomputes the overflow,
+    priced as that share of the way from its remat policy to full recomputation, in bytes and in FLOPs. False:
+    what overflows does not run (this library's plans are sized to fit, then checked by an ahead-of-time
+    compile)."""
     pipeline_tensor: bool = True
     """Whether a pipeline stage splits its layers over the tensor axis too (Megatron, torchtitan and MaxText run
     tensor and sequence parallelism inside each stage); False: the stages split only the batch (this library's
@@ -177,10 +184,12 @@ STACKS: dict[str, Stack] = {
         flash_attention=True,
         causal_skip=True,
         tensor_overlap=False,
+        compiler_remat=True,
         sources=(
             "AI-Hypercomputer/maxtext on TPU: XLA-fused ops, the splash / flash Pallas attention kernel (skipping the "
             "causal mask's blocks; no published rate, so priced on the matmul curve); no collective matmul in the "
-            "configs compared",
+            "configs compared; XLA's rematerialization pass left on (the v5p scripts' LIBTPU_INIT_ARGS do not "
+            "disable it, as the A3 scripts' XLA_FLAGS do)",
         ),
     ),
     "maxtext-gpu": Stack(
