@@ -17,7 +17,7 @@ from openhosti_jax.planner.cluster import Cluster
 from openhosti_jax.planner.cost import matmul_efficiency
 from openhosti_jax.planner.predict import predict
 from openhosti_jax.planner.profiles import PROFILES
-from openhosti_jax.planner.search import Candidate, score
+from openhosti_jax.planner.search import Candidate, rank, score, search
 from openhosti_jax.planner.stacks import STACKS, Stack, stack
 from openhosti_jax.planner.workload import workload
 
@@ -176,3 +176,23 @@ def test_a_compilers_rematerialisation_recomputes_the_overflow_toward_full_recom
     compute = dots.time["compute"] + share * (full.time["compute"] - dots.time["compute"])
     assert squeezed.time["compute"] == pytest.approx(compute)
     assert est("dots", 2 * dots.bytes, True).time == dots.time  # room to spare: nothing recomputed
+
+
+def test_a_plan_that_fits_only_by_the_compilers_rematerialisation_is_searched_with_each_remat_policy():
+    """Squeezed by the compiler, ``remat=none`` hides more recomputation than ``dots``, which fits as it is: the
+    search scores the policies too, and ranks by the recomputation the step runs, not by the policy's name."""
+    w = workload(lambda r: GPT(CFG, rngs=nnx.Rngs(r)), jax.ShapeDtypeStruct((256, 128), jnp.int32))
+    c = Candidate(_mesh(data=8), 0, precision="bf16")
+    free = _cluster(compiler_remat=True)
+    none, dots = (score(w, optax.adam(1e-3), dataclasses.replace(c, remat=r), free).estimate for r in ("none", "dots"))
+    budget = int((none.bytes + dots.bytes) / 2)
+    where = dataclasses.replace(free, profile=dataclasses.replace(H100, memory_bytes=budget))
+    scored = search(w, optax.adam(1e-3), [c], where, memory_budget=budget, remats=("none", "dots", "full"))
+    by_remat = {s.candidate.remat: s.estimate for s in scored}
+    assert by_remat["none"].bytes == pytest.approx(budget, abs=1)  # it fits, by the compiler's recomputation
+    assert (
+        by_remat["none"].flops_factor
+        > by_remat["dots"].flops_factor
+        == w.policy_activations("dots", "bf16").flops_factor
+    )
+    assert rank(scored, budget)[0].candidate.remat == "dots"

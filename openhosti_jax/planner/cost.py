@@ -72,6 +72,9 @@ class Estimate:
     tensor_cuts: int = 0
     """Reshapes that cut the tensor-split dim into parts the axis does not divide (e.g. fewer attention heads
     than the tensor axis); a usable tensor split has none."""
+    flops_factor: float = 1.0
+    """The step's FLOPs over one forward and backward: the remat policy's recomputation and what the compiler's
+    rematerialization pass adds to fit (`Stack.compiler_remat`)."""
 
     @property
     def bytes(self) -> int:
@@ -348,4 +351,4 @@ def estimate(
         "launch": profile.launch_seconds,
         "total": total,
     }
-    return Estimate(memory, time, comm_b, cuts)
+    return Estimate(memory, time, comm_b, cuts, factor)

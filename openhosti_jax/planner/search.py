@@ -4,7 +4,8 @@ Candidates factor the device count over ``data`` / ``fsdp`` / ``tensor`` (and ``
 stage 0 uses ``data`` only; stages 1-3 shard over ``fsdp`` and replicate over ``data`` (hybrid sharding when both
 are > 1), so every candidate is a distinct placement. The winner is the fastest predicted candidate whose
 predicted memory fits the budget; candidates within 1% of it count as ties (closer than the model can rank),
-broken by the lighter remat policy, the fewer microbatches, the lower ZeRO stage, then the smaller tensor axis,
+broken by the less recomputation (the remat policy's and, where the compiler rematerializes to fit, the
+compiler's; host offload last), the fewer microbatches, the lower ZeRO stage, then the smaller tensor axis,
 then the smaller predicted memory (headroom for a larger microbatch), then the predicted time. The rest follow by
 predicted time. A candidate over the budget is scored again with each remat policy and microbatch count the
 model and step can run (`policy_variants`), and each precision the user allows is its own candidate.
@@ -253,10 +254,11 @@ def search(
 ) -> list[Scored]:
     """Score every candidate whose data-parallel size divides the batch and whose tensor axis, if any, is used
     and divides what it splits (as Megatron needs the heads divisible by the tensor-parallel size). A candidate
-    predicted over ``memory_budget`` is also scored with each remat policy of ``remats`` and microbatch count
-    (`policy_variants`): they only save memory (each costs recomputation or a loop trip), so a plan that fits
-    without them is never slower with them. A pipelined candidate is also scored with each of its microbatch
-    counts, fitting or not: more microbatches shrink the bubble (1F1B holds at most S of them in flight)."""
+    predicted over ``memory_budget``, or fitting only by the compiler's rematerialization (`Stack.compiler_remat`),
+    is also scored with each remat policy of ``remats`` and microbatch count (`policy_variants`): they only save
+    memory (each costs recomputation or a loop trip), so a plan that fits without them is never slower with them.
+    A pipelined candidate is also scored with each of its microbatch counts, fitting or not: more microbatches
+    shrink the bubble (1F1B holds at most S of them in flight)."""
     found: list[tuple[int, int, Scored]] = []
     sharded: dict[Any, Any] = {}
     kw.setdefault("cache", {})
@@ -272,7 +274,8 @@ def search(
         if c.mesh_shape["tensor"] > 1 and (not _uses_tensor(s) or s.estimate.tensor_cuts):
             continue
         found.append((position[id(c)], 0, s))
-        if memory_budget is not None and s.estimate.bytes > memory_budget:
+        own = work.policy_activations(c.remat, c.precision).flops_factor
+        if memory_budget is not None and s.estimate.bytes > memory_budget or s.estimate.flops_factor > own:
             variants = policy_variants(c, work, remats, accumulates)
         elif c.mesh_shape["stage"] > 1:  # more microbatches shrink a pipeline's bubble: a speed choice too
             variants = policy_variants(c, work, (c.remat,), accumulates)
@@ -294,9 +297,20 @@ def search(
 def _key(s: Scored, best: float) -> tuple:
     c = s.candidate
     if s.estimate.seconds > best * (1 + TIE):
-        return (1, 0, 0, 0, 0, 0, s.estimate.seconds)
-    remat = REMAT_POLICIES.index(c.remat)
-    return (0, remat, c.microbatches, c.zero_stage, c.mesh_shape["tensor"], s.estimate.bytes, s.estimate.seconds)
+        return (1, False, 0.0, 0, 0, 0, 0, 0, s.estimate.seconds)
+    remat = REMAT_POLICIES.index(c.remat)  # the less recomputation first (the compiler's too), host offload last
+    recompute = round(s.estimate.flops_factor, 6)
+    return (
+        0,
+        c.remat == "offload",
+        recompute,
+        remat,
+        c.microbatches,
+        c.zero_stage,
+        c.mesh_shape["tensor"],
+        s.estimate.bytes,
+        s.estimate.seconds,
+    )
 
 
 def rank(scored: Sequence[Scored], memory_budget: int | None) -> list[Scored]:
@@ -330,7 +344,7 @@ def why(ranked: Sequence[Scored], scored: Sequence[Scored], memory_budget: int |
         notes.append(
             f"runner-up {nxt.candidate.label}: {ratio:.2f}x the predicted time"
             + (
-                " (a tie: lighter remat, fewer microbatches, lower ZeRO stage, smaller tensor axis, less memory "
+                " (a tie: less recomputation, fewer microbatches, lower ZeRO stage, smaller tensor axis, less memory "
                 "preferred)"
                 if ratio <= 1 + TIE
                 else ""
