@@ -239,7 +239,11 @@ def estimate(
     cast = (
         param_local * mp.compute_dtype.itemsize / mp.param_dtype.itemsize if mp.compute_dtype != mp.param_dtype else 0.0
     )
-    temp = (max(act + gathered + max(grad_full, default=0), reduction) + accumulator + cast) / stages
+
+    def temporaries(act: float) -> float:  # the backward's peak above the state, per pipeline stage
+        return (max(act + gathered + max(grad_full, default=0), reduction) + accumulator + cast) / stages
+
+    temp = temporaries(act)
     factor = policy.flops_factor
     over = state + batch + temp - (profile.memory_bytes or math.inf)
     if cluster.stack.compiler_remat and over > 0 and plan.remat not in ("full", "offload"):
@@ -248,8 +252,7 @@ def estimate(
         if droppable > 0:  # the compiler recomputes the overflow: that share of the way to full recomputation
             drop = min(over * stages, droppable)
             factor += drop / droppable * (full.flops_factor - policy.flops_factor)
-            act -= drop
-            temp = (max(act + gathered + max(grad_full, default=0), reduction) + accumulator + cast) / stages
+            temp = temporaries(act - drop)
     memory = {"state": state, "batch": batch, "temporaries": temp, "total": state + batch + temp}
     # every activation is written in the forward and read in the backward, the recomputed ones once more
     act_traffic = 2 * split_act * b_local * factor
