@@ -26,8 +26,8 @@ CFG = GPTConfig(n_layers=2, d_model=256, n_heads=4, seq_len=128, vocab_size=512)
 BATCH = jax.ShapeDtypeStruct((16, 128), jnp.int32)
 
 
-def _gpt(cfg: GPTConfig = CFG):
-    return workload(lambda r: GPT(cfg, rngs=nnx.Rngs(r)), BATCH)
+def _gpt(cfg: GPTConfig = CFG, batch: jax.ShapeDtypeStruct = BATCH):
+    return workload(lambda r: GPT(cfg, rngs=nnx.Rngs(r)), batch)
 
 
 def _cluster(**traits) -> Cluster:
@@ -159,7 +159,7 @@ def test_cudnn_attention_is_priced_at_its_measured_forward_and_backward_rates():
 def test_a_compilers_rematerialisation_recomputes_the_overflow_toward_full_recomputation():
     """XLA's rematerialization pass (MaxText on TPU): a plan over the device's memory recomputes the overflow, that
     share of the way from its policy to full recomputation in bytes and in compute; off, the overflow stays."""
-    w = workload(lambda r: GPT(CFG, rngs=nnx.Rngs(r)), jax.ShapeDtypeStruct((256, 128), jnp.int32))
+    w = _gpt(batch=jax.ShapeDtypeStruct((256, 128), jnp.int32))
     c = Candidate(_mesh(data=8), 0, remat="dots", precision="bf16")
 
     def est(remat: str, memory: int | None, compiler_remat: bool):
@@ -181,7 +181,7 @@ def test_a_compilers_rematerialisation_recomputes_the_overflow_toward_full_recom
 def test_a_plan_that_fits_only_by_the_compilers_rematerialisation_is_searched_with_each_remat_policy():
     """Squeezed by the compiler, ``remat=none`` hides more recomputation than ``dots``, which fits as it is: the
     search scores the policies too, and ranks by the recomputation the step runs, not by the policy's name."""
-    w = workload(lambda r: GPT(CFG, rngs=nnx.Rngs(r)), jax.ShapeDtypeStruct((256, 128), jnp.int32))
+    w = _gpt(batch=jax.ShapeDtypeStruct((256, 128), jnp.int32))
     c = Candidate(_mesh(data=8), 0, precision="bf16")
     free = _cluster(compiler_remat=True)
     none, dots = (score(w, optax.adam(1e-3), dataclasses.replace(c, remat=r), free).estimate for r in ("none", "dots"))
