@@ -228,10 +228,6 @@ def stage_local_memory() -> dict:
     return res
 
 
-if __name__ == "__main__":
-    main()
-
-
 def fits_where_dp_does_not() -> dict:
     """A GPT of 8 blocks (d 256, Adam) under a fixed 48 MiB per-device budget: plain replicated data parallel over
     8 devices compiles over it, the same model cut into 8 stages by `split_layers` (1F1B, M = 4S) compiles within
@@ -289,3 +285,7 @@ def fits_where_dp_does_not() -> dict:
         "pipelined_stage_boundaries": list(cut.boundaries),
         "pipelined_losses": losses,
     }
+
+
+if __name__ == "__main__":
+    main()
