@@ -33,8 +33,12 @@ def test_a_plan_that_compiles_over_the_budget_is_never_returned(monkeypatch):
     sizes = {ranked[0]: 3 * 2**30, ranked[1]: 2 * 2**30, ranked[2]: 2**20}
     real, chosen = planner_search.first_that_compiles_within, []
 
-    def fake(candidates, compiled_bytes, budget):
-        out = real(candidates, lambda p: sizes[next(s.candidate.label for s in candidates if s.plan is p)], budget)
+    def fake(candidates, compiled_bytes, budget, expand):
+        def size(plan):  # candidates the ranking did not list (policy variants) compile over the budget too
+            label = next((s.candidate.label for s in candidates if s.plan is plan), None)
+            return sizes.get(label, 4 * 2**30)
+
+        out = real(candidates, size, budget, expand)
         chosen.append(out[0].candidate.label)
         return out
 
@@ -45,3 +49,27 @@ def test_a_plan_that_compiles_over_the_budget_is_never_returned(monkeypatch):
     sizes[ranked[2]] = 5 * 2**30
     with pytest.raises(MemoryBudgetError, match=r"no sharding compiles within .* the smallest is 2147483648 bytes"):
         choose_plan(init_fn, tx, batch, step_fn=gpt_step, device_profile="H100", memory_budget=2**30)
+
+
+@pytest.mark.timeout(300)
+def test_a_family_rejected_by_the_compiler_is_searched_with_remat(monkeypatch):
+    """The compiler says every plan without remat needs one byte more than the budget: the planner does not give
+    up after its top predictions but scores the rejected candidates' remat and microbatch variants, judges them on
+    the measured excess, and returns one that the compiler accepts."""
+    init_fn, tx, batch = example_inputs("gpt-tiny")
+    _, free = choose_plan(init_fn, tx, batch, step_fn=gpt_step, device_profile="H100", memory_budget=2**40)
+    budget = free.predicted_bytes  # the free winner just fits by prediction
+    real, compiled = planner_search.first_that_compiles_within, []
+
+    def fake(candidates, compiled_bytes, budget_, expand):
+        def size(plan):
+            compiled.append(plan.remat)
+            return budget + 1 if plan.remat == "none" else budget // 2
+
+        return real(candidates, size, budget_, expand)
+
+    monkeypatch.setattr("openhosti_jax.planner.choose.first_that_compiles_within", fake)
+    plan, report = choose_plan(init_fn, tx, batch, step_fn=gpt_step, device_profile="H100", memory_budget=budget)
+    assert plan.remat != "none" and report.compiled_bytes == budget // 2
+    assert compiled[-1] == plan.remat and compiled.count("none") >= 1
+    assert len(compiled) <= planner_search.VERIFY_TRIES + 1

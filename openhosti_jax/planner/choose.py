@@ -37,6 +37,7 @@ from openhosti_jax.planner.search import (
     remat_options,
     report_for,
     search,
+    variants_of,
     why,
 )
 from openhosti_jax.planner.verify import compiled_step_bytes, default_step, step_accumulates
@@ -113,15 +114,9 @@ def choose_plan(
         max_stages=work.layer_count,
         pipeline_tensor=where.stack.pipeline_tensor if isinstance(where, Cluster) else False,
     )
+    accumulates = step_fn is not None and step_accumulates(work, optimizer, step_fn)
     scored = search(
-        work,
-        optimizer,
-        candidates,
-        where,
-        rules=rules,
-        memory_budget=budget,
-        remats=remats,
-        accumulates=step_fn is not None and step_accumulates(work, optimizer, step_fn),
+        work, optimizer, candidates, where, rules=rules, memory_budget=budget, remats=remats, accumulates=accumulates
     )
     ranked = rank(scored, budget)
     notes = list(why(ranked, scored, budget))
@@ -157,6 +152,7 @@ def choose_plan(
             mesh = build_mesh(MeshConfig.from_sizes(dict(candidate.mesh_shape)), devices)
             return compiled_step_bytes(candidate, work, optimizer, step_fn or default_step, mesh)
 
-        winner, compiled, verified = first_that_compiles_within(ranked, compiled_bytes, budget)
+        expand = variants_of(work, optimizer, where, remats, accumulates, rules=rules)
+        winner, compiled, verified = first_that_compiles_within(ranked, compiled_bytes, budget, expand)
         notes += verified
     return winner.plan, report_for(winner, ranked, notes, work, compiled)

@@ -396,7 +396,7 @@ def precision_options(precision: str | Sequence[str]) -> tuple[str, ...]:
     return names
 
 
-VERIFY_TRIES = 3
+VERIFY_TRIES = 8
 """Candidates compiled at most, in ranked order, when the compiled bytes of the first exceed the budget."""
 
 
@@ -415,19 +415,58 @@ def memory_budget_for(
     return None, "none: the devices report no memory limit"
 
 
+def variants_of(
+    work: Workload,
+    tx: Optimizer,
+    profile: DeviceProfile | Cluster,
+    remats: Sequence[str],
+    accumulates: bool,
+    **kw: Any,
+) -> Callable[[Scored], list[Scored]]:
+    """The ``expand`` of `first_that_compiles_within`: a candidate's remat and microbatch variants
+    (`policy_variants`), scored."""
+
+    def expand(s: Scored) -> list[Scored]:
+        return [score(work, tx, v, profile, **kw) for v in policy_variants(s.candidate, work, remats, accumulates)]
+
+    return expand
+
+
+def _family(s: Scored) -> tuple:
+    """What a candidate's policy variants share: mesh, ZeRO stage and axes, precision, sequence split."""
+    c = s.candidate
+    return (tuple(c.mesh_shape.items()), c.zero_stage, c.zero_axes, c.precision, c.sequence_parallel)
+
+
 def first_that_compiles_within(
-    ranked: Sequence[Scored], compiled_bytes: Callable[[ShardingPlan], int | None], budget: int | None
+    ranked: Sequence[Scored],
+    compiled_bytes: Callable[[ShardingPlan], int | None],
+    budget: int | None,
+    expand: Callable[[Scored], Sequence[Scored]] | None = None,
 ) -> tuple[Scored, int | None, list[str]]:
     """(the first of ``ranked`` whose AOT-compiled bytes fit ``budget``, its compiled bytes, notes), compiling at
     most `VERIFY_TRIES`. A pipelined candidate is taken on its prediction here: its step is the pipeline's, which
     `openhosti_jax.create_train_state` builds and compiles from the model.
+
+    A candidate that compiles over the budget teaches what the prediction missed for its family (same mesh, ZeRO
+    stage, precision): ``expand`` scores its policy variants (remat, microbatches), and every candidate of the
+    family is then judged on its prediction plus that measured excess; those still predicted to fit join the
+    queue in rank order, the others are skipped without a compile.
 
     Raises `MemoryBudgetError` naming the smallest compiled size when every one tried compiles over the budget:
     a plan is never returned that the compiler says does not fit.
     """
     notes: list[str] = []
     over: list[tuple[int, Scored]] = []
-    for tried, s in enumerate(ranked[:VERIFY_TRIES]):
+    excess: dict[tuple, int] = {}
+    best = min((s.estimate.seconds for s in ranked), default=0.0)
+    queue = list(ranked)
+    seen = {(s.candidate.label, s.candidate.zero_axes) for s in ranked}
+    while queue and len(over) < VERIFY_TRIES:
+        s = queue.pop(0)
+        family = _family(s)
+        if budget is not None and family in excess and s.estimate.bytes + excess[family] > budget:
+            continue  # its family compiled over the prediction by more than this one's headroom
         if s.plan.pipeline_stages > 1:
             notes.append(
                 f"{s.candidate.label}: pipelined over {s.plan.pipeline_stages} stages, 1F1B with "
@@ -437,21 +476,27 @@ def first_that_compiles_within(
             return s, None, notes
         compiled = compiled_bytes(s.plan)
         if compiled is None or budget is None or compiled <= budget:
-            if tried:
+            if over:
                 notes.insert(
                     0,
-                    f"{s.candidate.label}: the first {tried} by prediction compiled over the budget "
+                    f"{s.candidate.label}: the {len(over)} compiled before it by rank exceeded the budget "
                     f"{format_bytes(budget)}",
                 )
             return s, compiled, notes
         over.append((compiled, s))
+        excess[family] = max(excess.get(family, 0), compiled - s.estimate.bytes)
         notes.append(f"{s.candidate.label} compiled to {format_bytes(compiled)} > budget; trying next")
-    smallest, best = min(over, key=lambda t: t[0])
+        for v in sorted(expand(s) if expand is not None else (), key=lambda x: _key(x, best)):
+            if (v.candidate.label, v.candidate.zero_axes) not in seen:  # before the first that ranks after it
+                seen.add((v.candidate.label, v.candidate.zero_axes))
+                at = next((i for i, q in enumerate(queue) if _key(q, best) > _key(v, best)), len(queue))
+                queue.insert(at, v)
+    smallest, top = min(over, key=lambda t: t[0])
     raise MemoryBudgetError(
         f"no sharding compiles within the memory budget of {format_bytes(budget)} ({budget} bytes) per device: the "
-        f"{len(over)} best by prediction compiled to "
+        f"{len(over)} compiled in rank order came to "
         + ", ".join(f"{s.candidate.label} {format_bytes(c)}" for c, s in over)
-        + f"; the smallest is {smallest} bytes with {best.candidate.label}. Raise the budget, use more devices, or "
+        + f"; the smallest is {smallest} bytes with {top.candidate.label}. Raise the budget, use more devices, or "
         "shrink the batch/microbatch"
     )
 
@@ -519,6 +564,7 @@ def plan_on_mesh(
         for z in stages
     ]
     accumulates = step_fn is not None and sample_batch is not None and step_accumulates(work, tx, step_fn)
+    remats = remat_options(remat, devices)
     scored = search(
         work,
         tx,
@@ -526,7 +572,7 @@ def plan_on_mesh(
         profile,
         rules=rules,
         memory_budget=budget,
-        remats=remat_options(remat, devices),
+        remats=remats,
         accumulates=accumulates,
     )
     ranked = rank(scored, budget)
@@ -534,7 +580,10 @@ def plan_on_mesh(
     winner, compiled = ranked[0], None
     if verify and step_fn is not None and sample_batch is not None:
         winner, compiled, verified = first_that_compiles_within(
-            ranked, lambda p: compiled_step_bytes(p, work, tx, step_fn, mesh), budget
+            ranked,
+            lambda p: compiled_step_bytes(p, work, tx, step_fn, mesh),
+            budget,
+            variants_of(work, tx, profile, remats, accumulates, rules=rules),
         )
         notes += verified
     return winner.plan, report_for(winner, ranked, notes, work, compiled)
