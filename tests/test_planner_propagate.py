@@ -19,7 +19,7 @@ def mlp(w1, w2, x):
 
 def test_column_then_row_marks_hidden_only():
     j = jax.make_jaxpr(mlp)(jnp.ones((8, 32)), jnp.ones((32, 8)), jnp.ones((4, 8)))
-    dims, split_flops, resharded, cut = propagate(j.jaxpr, [1, 0, None], 2)
+    dims, split_flops, resharded, cut, _ = propagate(j.jaxpr, [1, 0, None], 2)
     hidden = [e.outvars[0] for e in j.jaxpr.eqns if e.primitive.name == "tanh"][0]
     assert dims[hidden] == 1  # (4, 32) split on its features
     assert dims[j.jaxpr.outvars[0]] is None  # row-parallel output: all-reduced, replicated
@@ -33,7 +33,7 @@ def test_a_value_kept_for_selective_remat_carries_its_split():
     j = jax.make_jaxpr(lambda w1, w2, x: keep(jnp.tanh(x @ w1)) @ w2)(
         jnp.ones((8, 32)), jnp.ones((32, 8)), jnp.ones((4, 8))
     )
-    _, split_flops, resharded, _ = propagate(j.jaxpr, [1, 0, None], 2)
+    _, split_flops, resharded, *_ = propagate(j.jaxpr, [1, 0, None], 2)
     assert split_flops == 2 * 4 * 8 * 32 * 2 and resharded == 0
 
 
@@ -63,3 +63,16 @@ def test_tensor_parallel_memory_matches_compiled(shape):
     s = score(work, tx, Candidate(sizes, 1 if sizes["fsdp"] > 1 else 0), PROFILES["H100"])
     compiled = compiled_step_bytes(s.plan, work, tx, gpt_step, build_mesh(MeshConfig.from_sizes(sizes)))
     assert 0.9 < s.estimate.bytes / compiled < 1.1, (s.estimate.memory, compiled)
+
+
+def test_a_split_matmul_consumes_its_unsplit_input_whole():
+    """Column-parallel then row-parallel: x feeds a split matmul unsplit (under sequence parallelism it is
+    all-gathered there and kept so), the hidden activation is split, and nothing else is consumed whole."""
+    j = jax.make_jaxpr(mlp)(jnp.ones((8, 32)), jnp.ones((32, 8)), jnp.ones((4, 8)))
+    whole = propagate(j.jaxpr, [1, 0, None], 2).whole
+    assert whole == {j.jaxpr.invars[2]}
+    scanned = jax.make_jaxpr(lambda w, x: jax.lax.scan(lambda c, wi: (jnp.tanh(c @ wi), c), x, w))(
+        jnp.ones((3, 8, 8)), jnp.ones((4, 8))
+    )
+    stacked = scanned.jaxpr.eqns[-1].outvars[1]  # each layer's input, stacked: what the backward keeps
+    assert stacked in propagate(scanned.jaxpr, [2, None], 2).whole

@@ -214,10 +214,8 @@ def estimate(
         for g, ps, bs, x, names in zip(grad_full, p_specs, base, params, names_, strict=True)
         if spec_axes(ps) != spec_axes(bs)
     )
-    act_per_example, split_share, reshard, cuts = work.tensor_split(tuple(_tensor_dim(bs) for bs in base), t)
     sequence = plan.sequence_parallel and t > 1
-    if sequence:  # the activations the tensor split leaves whole are split along the sequence too
-        act_per_example = work.activation_bytes_per_example / t
+    act_per_example, split_share, reshard, cuts = work.tensor_split(tuple(_tensor_dim(bs) for bs in base), t, sequence)
     split_act = act_per_example  # every activation, after the tensor / sequence split
     if work.activation_bytes_per_example:  # the policy's share of the (tensor-split) activations
         act_per_example *= policy.bytes_per_example / work.activation_bytes_per_example

@@ -4,7 +4,8 @@ Parameters sharded over ``tensor`` mark one dim of their jaxpr input; the mark f
 elementwise ops, broadcasts, reshapes, transposes, splits, reductions over other dims and matmuls (a marked
 free or batch dim stays marked in the output; a matmul contracting marked dims on both sides ends in an
 all-reduce and is unmarked), as XLA's sharding propagation does for Megatron-style layers. A residual whose
-dim is marked is stored split over the tensor axis; a matmul with a marked operand is computed split.
+dim is marked is stored split over the tensor axis; a matmul with a marked operand is computed split, and its
+unmarked operands are consumed whole (under sequence parallelism, the all-gathered input the backward reuses).
 Anything the rules do not know is treated as replicated (the conservative side for memory).
 
 Example:
@@ -12,9 +13,11 @@ Example:
     >>> from openhosti_jax.planner.propagate import propagate
     >>> f = lambda w, x: jnp.tanh(x @ w)
     >>> j = jax.make_jaxpr(f)(jnp.ones((4, 8)), jnp.ones((2, 4)))
-    >>> dims, split_flops, resharded, cut = propagate(j.jaxpr, [1, None], 2)
+    >>> dims, split_flops, resharded, cut, whole = propagate(j.jaxpr, [1, None], 2)
     >>> dims[j.jaxpr.outvars[0]], split_flops, resharded, cut  # column-parallel: output features split, matmul split
     (1, 128.0, 0.0, 0)
+    >>> j.jaxpr.invars[1] in whole  # the input x is consumed whole by the split matmul
+    True
 """
 
 from __future__ import annotations
@@ -117,6 +120,9 @@ class Propagation(NamedTuple):
     """Bytes of values whose mark an op cannot carry (gathered whole)."""
     cut_reshapes: int
     """Reshapes that cut a split dim into parts ``t`` does not divide (e.g. fewer attention heads than ``t``)."""
+    whole: frozenset
+    """Unmarked values a split matmul consumes: each device needs all of them (a sequence-split activation is
+    all-gathered there, and XLA keeps the gathered copy for the backward)."""
 
 
 def propagate(jaxpr: Any, in_dims: Sequence[Dim], t: int) -> Propagation:
@@ -127,6 +133,7 @@ def propagate(jaxpr: Any, in_dims: Sequence[Dim], t: int) -> Propagation:
     marked dim are not counted (their small partial results are all-reduced)."""
     dims: dict[Any, Dim] = dict(zip(jaxpr.invars, in_dims, strict=True))
     splits, reshard, cut = 0.0, 0.0, 0
+    whole: set[Any] = set()
 
     def get(v: Any) -> Dim:
         return None if isinstance(v, Literal) else dims.get(v)
@@ -137,16 +144,18 @@ def propagate(jaxpr: Any, in_dims: Sequence[Dim], t: int) -> Propagation:
             nc, nk, length = eqn.params["num_consts"], eqn.params["num_carry"], eqn.params["length"]
             body = eqn.params["jaxpr"].jaxpr
             sliced = [None if d in (None, 0) else d - 1 for d in ins[nc + nk :]]
-            inner, n, r, c = propagate(body, [*ins[: nc + nk], *sliced], t)
+            inner, n, r, c, w = propagate(body, [*ins[: nc + nk], *sliced], t)
             splits, reshard, cut = splits + n * length, reshard + r * length, cut + c
+            whole |= _outer(eqn.outvars, body.outvars, w) | _outer(eqn.invars, body.invars, w)
             outs = [None if isinstance(v, Literal) else inner.get(v) for v in body.outvars]
             for i, o in enumerate(eqn.outvars):  # carries as the body leaves them, stacked outputs one dim later
                 dims[o] = outs[i] if i < nk or outs[i] is None else outs[i] + 1
             continue
         sub = _sub_jaxpr(eqn)
         if sub is not None:
-            inner, n, r, c = propagate(sub, ins, t)
+            inner, n, r, c, w = propagate(sub, ins, t)
             splits, reshard, cut = splits + n, reshard + r, cut + c
+            whole |= _outer(eqn.outvars, sub.outvars, w) | _outer(eqn.invars, sub.invars, w)
             for o, io in zip(eqn.outvars, sub.outvars, strict=True):
                 dims[o] = None if isinstance(io, Literal) else inner.get(io)
             continue
@@ -154,6 +163,8 @@ def propagate(jaxpr: Any, in_dims: Sequence[Dim], t: int) -> Propagation:
             out, split = _dot(eqn, *ins[:2])
             dims[eqn.outvars[0]] = out
             splits += dot_flops(eqn) if split else 0.0
+            if split:
+                whole.update(v for v, d in zip(eqn.invars[:2], ins[:2], strict=True) if d is None)
             continue
         if all(x is None for x in ins):
             continue
@@ -163,4 +174,9 @@ def propagate(jaxpr: Any, in_dims: Sequence[Dim], t: int) -> Propagation:
             marked = next(v for v, d in zip(eqn.invars, ins, strict=True) if d is not None)
             reshard += leaf_bytes(marked)
             cut += eqn.primitive.name == "reshape"
-    return Propagation(dims, splits, reshard, cut)
+    return Propagation(dims, splits, reshard, cut, frozenset(v for v in whole if not isinstance(v, Literal)))
+
+
+def _outer(outer: Sequence[Any], inner: Sequence[Any], whole: frozenset) -> set[Any]:
+    """The values of ``outer`` whose counterparts in a sub-jaxpr's ``inner`` are consumed whole."""
+    return {o for o, i in zip(outer, inner, strict=False) if not isinstance(i, Literal) and i in whole}

@@ -209,17 +209,21 @@ class Workload:
 
         return self.memo(("attention",), walk)
 
-    def tensor_split(self, param_dims: tuple[int | None, ...], t: int) -> TensorSplit:
+    def tensor_split(self, param_dims: tuple[int | None, ...], t: int, sequence: bool = False) -> TensorSplit:
         """What splitting parameter leaf ``i`` over a tensor axis of size ``t`` along dim ``param_dims[i]``
-        (None: replicated) does to the activations and matmuls."""
+        (None: replicated) does to the activations and matmuls; ``sequence``: the activations the split leaves
+        whole are split along the sequence too (sequence parallelism), except those a split matmul consumes,
+        which are all-gathered for it and kept so for the backward."""
         if self.jaxpr is None or t <= 1 or all(d is None for d in param_dims):
-            return TensorSplit(self.activation_bytes_per_example, 0.0, 0.0, 0)
-        key = (param_dims, t)
+            return TensorSplit(self.activation_bytes_per_example / (t if sequence else 1), 0.0, 0.0, 0)
+        key = (param_dims, t, sequence)
         if key not in self._split_cache:
             in_dims = list(param_dims) + [None] * (len(self.jaxpr.invars) - len(param_dims))
-            dims, split_flops, reshard, cut = propagate(self.jaxpr, in_dims, t)
+            dims, split_flops, reshard, cut, whole = propagate(self.jaxpr, in_dims, t)
             saved = _saved(self.residuals, self.outputs)
-            act = sum(leaf_bytes(v) / (t if dims.get(v) is not None else 1) for v in saved)
+            act = sum(
+                leaf_bytes(v) / (t if dims.get(v) is not None or (sequence and v not in whole) else 1) for v in saved
+            )
             total = count_flops(self.jaxpr, matmul_only=True)
             self._split_cache[key] = TensorSplit(act, split_flops / total if total else 0.0, reshard, cut)
         return self._split_cache[key]
