@@ -66,6 +66,11 @@ class BridgeError(OpenhostiError, TypeError):
     """A tensor or model cannot be converted between JAX and PyTorch / TensorFlow."""
 
 
+class UnsupportedError(OpenhostiError, NotImplementedError):
+    """An API of another framework (``tf.distribute``'s ``run``, ``reduce``, ...) that has no equivalent here; the
+    message names what to use instead."""
+
+
 class StateError(OpenhostiError, ValueError):
     """A TrainState or model init function is not what the library expected."""
 
@@ -88,6 +93,7 @@ __all__ = [
     "CheckpointMismatchError",
     "DistributedError",
     "BridgeError",
+    "UnsupportedError",
     "StateError",
     "ReportError",
 ]
