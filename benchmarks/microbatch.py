@@ -5,7 +5,8 @@ compiled (exhaustive reference); the synthetic budget is placed between the smal
 (geometric midpoint), so some sizes fit and some do not. The binary search then runs with fresh compiles and is
 timed; finally the chosen size, microbatch 1 and the largest fitting size train side by side, alternated.
 
-Prints one JSON object on its last line (keys in BENCHMARKS.md). Run: ``python benchmarks/microbatch.py``.
+Prints one JSON object on its last line (keys and goals in benchmarks/README.md). Run:
+``python benchmarks/microbatch.py`` (``--quick``: per-device batch 64, width 16, 5 timing rounds; the same code paths).
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import json  # noqa: E402
 import math  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 
+import goals  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
@@ -39,8 +40,10 @@ from openhosti_jax.microbatch import (  # noqa: E402
 from openhosti_jax.sizes import divisors  # noqa: E402
 from openhosti_jax.state import TrainState  # noqa: E402
 
-PER_DEVICE, WIDTH, LAYERS, MARGIN = 256, 64, 4, 0.1
-ROUNDS, STEPS = 41, 1
+# quick: a narrower MLP so that, as at full size, activations outgrow the fixed bytes and some sizes do not fit
+PER_DEVICE, WIDTH = (64, 16) if goals.QUICK else (256, 64)
+LAYERS, MARGIN = 4, 0.1
+ROUNDS, STEPS = (5 if goals.QUICK else 41), 1
 
 
 def loss_fn(params, mb, rng):
@@ -104,28 +107,25 @@ def main() -> None:
     sps = {name: n * STEPS / statistics.median(ts) for name, ts in times.items()}
 
     print(f"# {choice}")
-    print(
-        json.dumps(
-            {
-                "chosen_over_largest_fitting": choice.size / largest_fitting,
-                "compiles": choice.compiles,
-                "compile_bound": compile_bound(PER_DEVICE),
-                "search_seconds": round(choice.seconds, 3),
-                "exhaustive_seconds": round(exhaustive_seconds, 3),
-                "chosen_size": choice.size,
-                "largest_fitting_size": largest_fitting,
-                "per_device_batch": PER_DEVICE,
-                "budget_bytes": budget,
-                "limit_bytes": limit,
-                "peak_bytes_by_size": {str(s): p for s, p in sorted(peaks.items())},
-                "samples_per_s_chosen": round(sps["chosen"], 1),
-                "samples_per_s_mb1": round(sps["mb1"], 1),
-                "samples_per_s_largest_fitting": round(sps["largest_fitting"], 1),
-                "chosen_over_mb1_samples_per_s": round(sps["chosen"] / sps["mb1"], 3),
-                "chosen_over_largest_fitting_samples_per_s": round(sps["chosen"] / sps["largest_fitting"], 3),
-            }
-        )
-    )
+    out = {
+        "chosen_over_largest_fitting": choice.size / largest_fitting,
+        "compiles": choice.compiles,
+        "compile_bound": compile_bound(PER_DEVICE),
+        "search_seconds": round(choice.seconds, 3),
+        "exhaustive_seconds": round(exhaustive_seconds, 3),
+        "chosen_size": choice.size,
+        "largest_fitting_size": largest_fitting,
+        "per_device_batch": PER_DEVICE,
+        "budget_bytes": budget,
+        "limit_bytes": limit,
+        "peak_bytes_by_size": {str(s): p for s, p in sorted(peaks.items())},
+        "samples_per_s_chosen": round(sps["chosen"], 1),
+        "samples_per_s_mb1": round(sps["mb1"], 1),
+        "samples_per_s_largest_fitting": round(sps["largest_fitting"], 1),
+        "chosen_over_mb1_samples_per_s": round(sps["chosen"] / sps["mb1"], 3),
+        "chosen_over_largest_fitting_samples_per_s": round(sps["chosen"] / sps["largest_fitting"], 3),
+    }
+    goals.emit(out, __file__)
 
 
 if __name__ == "__main__":
