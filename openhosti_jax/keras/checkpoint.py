@@ -67,6 +67,7 @@ def checkpoint_callback(
                 self.position.arm()  # the pipeline fit is about to be given is read through a skip
             self.epoch, self.offset, self.skip_pending = 0, 0, False
             self.mark = (0, 0)
+            self.quiet: Any = None
             """(epoch, batches of it trained) after the last batch or epoch: the data position a save records."""
 
         def _variables(self) -> list[Any]:
@@ -105,6 +106,10 @@ def checkpoint_callback(
                 steps = self.params.get("steps") or 0
                 self.position.set(epoch * steps + position if self.position.infinite else position)
                 self.skip_pending = True
+                if not self.position.infinite:  # the resumed epoch ends early, as it should: not a warning
+                    self.quiet = warnings.catch_warnings()
+                    self.quiet.__enter__()
+                    warnings.filterwarnings("ignore", message="Your input ran out of data")
             self.mark = (epoch, self.offset)
             print(f"resumed from step {self.restored_step} at epoch {epoch}, batch {self.offset}", flush=True)
 
@@ -124,8 +129,15 @@ def checkpoint_callback(
 
         def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
             self.epoch, self.offset, self.mark = epoch + 1, 0, (epoch + 1, 0)
+            self._loud()
+
+        def _loud(self) -> None:
+            if self.quiet is not None:
+                self.quiet.__exit__(None, None, None)
+                self.quiet = None
 
         def on_train_end(self, logs: Any = None) -> None:
+            self._loud()
             self._save(force=True)
             self.manager.wait()
             if jax.process_index() == 0:

@@ -8,7 +8,9 @@ replicas in turn, so a step sees the same examples).
 
 `DataPosition` skips the batches a checkpoint says were consumed: when a checkpoint callback will resume, the next
 tf.data pipeline Keras is given is read through ``skip(n)``, with ``n`` a TF variable read as each pass over it
-starts; the callback sets ``n`` on resume and zeroes it once the resumed epoch has begun.
+starts; the callback sets ``n`` on resume and zeroes it once the resumed epoch has begun. The pipeline keeps
+reporting its own cardinality (`PositionedDataset`): Keras sizes every epoch by it, so a short first pass must not
+become the epoch length.
 """
 
 from __future__ import annotations
@@ -78,6 +80,23 @@ def from_function(fn: Callable[[InputContext], Any], context: InputContext, loca
     return joined
 
 
+class PositionedDataset:
+    """A tf.data pipeline read through a skip: iterates ``skipped``, reports ``source``'s cardinality, and is
+    otherwise ``skipped`` (element spec, options)."""
+
+    def __init__(self, source: Any, skipped: Any) -> None:
+        self.source, self.skipped = source, skipped
+
+    def cardinality(self) -> Any:
+        return self.source.cardinality()
+
+    def __iter__(self) -> Any:
+        return iter(self.skipped)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.skipped, name)
+
+
 class DataPosition:
     """Batches to skip in the next pass over a tf.data pipeline (see the module docstring)."""
 
@@ -102,10 +121,8 @@ class DataPosition:
         self.infinite = int(dataset.cardinality()) == int(tf.data.INFINITE_CARDINALITY)
         self._skip = tf.Variable(0, dtype=tf.int64, trainable=False)
         skip = self._skip
-        wrapped = tf.data.Dataset.from_tensors(tf.constant(0, tf.int64)).flat_map(lambda _: dataset.skip(skip))
-        if getattr(dataset, "_openhosti_per_process", False):
-            wrapped._openhosti_per_process = True
-        return wrapped
+        skipped = tf.data.Dataset.from_tensors(tf.constant(0, tf.int64)).flat_map(lambda _: dataset.skip(skip))
+        return PositionedDataset(dataset, skipped)
 
     def set(self, batches: int) -> None:
         """Skip ``batches`` when the next pass over the wrapped pipeline starts."""
@@ -119,4 +136,4 @@ class DataPosition:
             self._skip.assign(0)
 
 
-__all__ = ["DataPosition", "InputContext", "check_batched", "from_function"]
+__all__ = ["DataPosition", "InputContext", "PositionedDataset", "check_batched", "from_function"]

@@ -82,10 +82,9 @@ def distribution_class() -> type:
             return None
 
         def distribute_dataset(self, dataset: Any) -> Any:
-            dataset = self.strategy.positioned(dataset)
-            if getattr(dataset, "_openhosti_per_process", False):
-                return dataset  # from distribute_datasets_from_function: already this process's share
-            return super().distribute_dataset(dataset)
+            if not getattr(dataset, "_openhosti_per_process", False):  # else already this process's share
+                dataset = super().distribute_dataset(dataset)
+            return self.strategy.positioned(dataset)
 
     install_partial_batches(StrategyDistribution)
     return StrategyDistribution

@@ -91,6 +91,7 @@ class Strategy:
         self._made: list[weakref.ref] = []
         self._optimizer: Any = None
         self._depth = 0
+        self._trained_in_scope = 0
         self._fixed_mesh = mesh is not None
         self.distribution = make_distribution(self, self.mesh)
 
@@ -112,6 +113,7 @@ class Strategy:
         shape = tuple(variable.shape)
         if self.plan != "auto":
             return self.variable_axes(shape)
+        self._trained_in_scope += bool(self._depth and variable.trainable)
         planned = self._planned.get(variable.path)
         if planned is not None and planned[0] == shape:
             return planned[1]
@@ -140,12 +142,19 @@ class Strategy:
     def scope(self) -> Iterator[Strategy]:
         """Build and compile models here; the distribution stays set afterwards (for ``fit``)."""
         self._keras.distribution.set_distribution(self.distribution)
+        if not self._depth:
+            self._trained_in_scope = 0
         self._depth += 1
         try:
             yield self
         finally:
             self._depth -= 1
         if self.plan == "auto" and not self._depth:
+            if not self._trained_in_scope:
+                raise BridgeError(
+                    "plan='auto' plans the trainable variables made inside strategy.scope() and none were: build "
+                    "the model there (keras.Input(...) or model.build(input_shape)), or use plan='fsdp' or 'dp'"
+                )
             self._plan_made_variables()
 
     def _plan_made_variables(self) -> None:
