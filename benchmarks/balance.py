@@ -14,6 +14,10 @@ Variants, timed alternately in one process, medians of ``REPS``:
   plain    : the library's plain microbatched gradient (`accumulate_gradients` under jit, the step
              ``@spmd(microbatches=M)`` runs without ``balance=True``), no throttle (for the overhead)
 M is chosen so that the ideal share is an integer (2x: 28, 4x: 26 for devices; 24 / 20 for processes).
+
+Prints one JSON object on its last line (keys and goals in benchmarks/README.md). ``--quick`` (passed on to the
+workers): width 128, 64 rows, 5 reps, the 2x factor only (M = 14 for devices, 12 for processes), both kinds on
+the devices and the stall kind across the processes; the same code paths.
 """
 
 import os
@@ -28,11 +32,18 @@ import socket  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
 
+import goals  # noqa: E402
 import numpy as np  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-WIDTH, ROWS, LAYERS, REPS = 256, 128, 4, 21
+WIDTH, ROWS, LAYERS, REPS = (128, 64, 4, 5) if goals.QUICK else (256, 128, 4, 21)
+# (factor, M) per case, M making the ideal share an integer; and the kinds across processes
+DEVICE_CASES = ((2, 14),) if goals.QUICK else ((2, 28), (4, 26))
+PROCESS_CASES = ((2, 12),) if goals.QUICK else ((2, 24), (4, 20))
+PROCESS_KINDS = ("stall",) if goals.QUICK else ("stall", "work")
+OVERHEAD_M = 14 if goals.QUICK else 28
+PROCESS_TIMEOUT_S = 150 if goals.QUICK else 240
 
 
 def loss_fn(p, mb, rng):
@@ -165,10 +176,10 @@ def device_benchmark():
     mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4], axis_types=(AxisType.Auto,))
     out = {}
     for kind in ("stall", "work"):
-        for factor, m in ((2, 28), (4, 26)):
+        for factor, m in DEVICE_CASES:
             throttle_for = lambda mb, f=factor, k=kind: Throttle.for_devices(4, {3: f}, mb if k == "stall" else None)
             out.update(slowdown_case(mesh, factor, m, throttle_for, kind))
-    out.update(overhead_case(mesh, 28))
+    out.update(overhead_case(mesh, OVERHEAD_M))
     return out
 
 
@@ -183,8 +194,8 @@ def process_worker(pid, port):
 
     mesh = jax.make_mesh((4,), ("data",), axis_types=(AxisType.Auto,))
     out = {}
-    for kind in ("stall", "work"):
-        for factor, m in ((2, 24), (4, 20)):
+    for kind in PROCESS_KINDS:
+        for factor, m in PROCESS_CASES:
             throttle_for = lambda mb, f=factor, k=kind: Throttle.for_processes(
                 mesh, "data", {1: f}, mb if k == "stall" else None
             )
@@ -195,15 +206,21 @@ def process_worker(pid, port):
     jax.distributed.shutdown()
 
 
-def process_benchmark(timeout_s=240):
+def process_benchmark(timeout_s=PROCESS_TIMEOUT_S):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "PYTHONPATH": ROOT}
     cmd = [sys.executable, os.path.abspath(__file__), "--worker"]
-    procs = [subprocess.Popen([*cmd, str(i), str(port)], env=env, stdout=subprocess.PIPE, text=True) for i in (0, 1)]
+    quick = ["--quick"] if goals.QUICK else []
+    procs = [
+        subprocess.Popen([*cmd, str(i), str(port), *quick], env=env, stdout=subprocess.PIPE, text=True) for i in (0, 1)
+    ]
+    deadline = time.monotonic() + timeout_s
     try:
-        outs = [p.communicate(timeout=timeout_s)[0] for p in procs]
+        outs = [p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        return {"process_error": f"workers ran past {timeout_s} s"}
     finally:
         for p in procs:
             if p.poll() is None:
@@ -224,7 +241,7 @@ def main():
         "keys: it computes factor x the FLOPs on the 2 CPU cores all 4 simulated devices share, so its extra "
         "work also slows the others (a competing process) and balancing can recover only part of it"
     )
-    print(json.dumps(out))
+    goals.emit(out, __file__)
 
 
 if __name__ == "__main__":
