@@ -75,6 +75,14 @@ class StateError(OpenhostiError, ValueError):
     """A TrainState or model init function is not what the library expected."""
 
 
+class StepArgumentError(OpenhostiError, TypeError):
+    """A train step's argument is neither a pytree of arrays nor an nnx graph object, or a static one is unhashable."""
+
+
+class StepOutputError(StateError):
+    """A ``step(state, batch)`` returned something other than ``(new_state, metrics)``."""
+
+
 class ReportError(OpenhostiError, FileNotFoundError):
     """A run directory or its metrics file, needed for a report, is missing or unreadable."""
 
@@ -95,5 +103,7 @@ __all__ = [
     "BridgeError",
     "UnsupportedError",
     "StateError",
+    "StepArgumentError",
+    "StepOutputError",
     "ReportError",
 ]

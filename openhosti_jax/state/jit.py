@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from openhosti_jax.errors import StateError
+from openhosti_jax.errors import StateError, StepOutputError
 from openhosti_jax.policies.precision import precision
 from openhosti_jax.sharding.plan import ShardingPlan
 from openhosti_jax.state.context import (
@@ -54,10 +54,14 @@ def jit_step(
     num_microbatches: int | None = None,
     layout: StateLayout | None = None,
     skip_nonfinite: bool = True,
+    batch_shardings: Any = None,
+    free_outputs: bool = False,
 ) -> tuple[Any, Any]:
     """(``fn`` jitted with the plan's in/out shardings for arguments shaped like ``state`` and ``batch``, the
     state's shardings). Metrics come back replicated. ``num_microbatches`` defaults to the plan's; ``layout``
-    (default: found) says where the state keeps its parameters and optimizer state. ``skip_nonfinite`` keeps the
+    (default: found) says where the state keeps its parameters and optimizer state. ``batch_shardings`` (default:
+    leading dims over the plan's batch spec) place the batch; ``free_outputs`` lets the step's second output be any
+    pytree (not only scalar metrics), placed where the compiler puts it. ``skip_nonfinite`` keeps the
     old state when the step's gradients (or loss) are not finite (`openhosti_jax.state.guard`: inside
     `TrainState.apply_gradients` when the state is one, else by a select after the step), except under a
     loss-scaling precision, whose optimizer skips those steps itself."""
@@ -66,7 +70,7 @@ def jit_step(
     guarded = skip_nonfinite and not precision(plan.precision).loss_scaling
     state_sh = plan.shardings(mesh, state_specs(plan, state, layout))
     grad_sh = plan.shardings(mesh, plan.grad_specs)
-    batch_sh = plan.batch_shardings(mesh, batch)
+    batch_sh = plan.batch_shardings(mesh, batch) if batch_shardings is None else batch_shardings
 
     def traced(s: Any, b: Any) -> tuple[Any, Any]:
         with (
@@ -98,7 +102,7 @@ def jit_step(
                 "once while the plan says otherwise; build it with openhosti_jax.make_train_step(loss_fn), or read "
                 "openhosti_jax.state.context.current_microbatches() in it, or drop microbatch="
             )
-        check_step_output(s, out)
+        check_step_output(s, out, metrics=not free_outputs)
         if not guarded:
             return out
         if update_guard.used and isinstance(out[0], TrainState) and isinstance(s, TrainState):
@@ -108,7 +112,7 @@ def jit_step(
     jitted = jax.jit(
         traced,
         in_shardings=(state_sh, batch_sh),
-        out_shardings=(state_sh, NamedSharding(mesh, P())),
+        out_shardings=(state_sh, None if free_outputs else NamedSharding(mesh, P())),
         donate_argnums=(0,) if donate else (),
     )
     return jitted, state_sh
@@ -141,16 +145,17 @@ def jit_eval(
     )
 
 
-def check_step_output(state: Any, out: Any) -> None:
+def check_step_output(state: Any, out: Any, metrics: bool = True) -> None:
     """Raise `StateError` listing every way ``out`` is not ``(new state like state, metrics of scalars)``: the
-    state's structure, each leaf's shape and dtype, and each metric's rank."""
+    state's structure, each leaf's shape and dtype, and (``metrics``) each metric's rank; `StepOutputError` when
+    ``out`` is not a pair at all."""
     if not (isinstance(out, tuple) and len(out) == 2):
-        raise StateError(
+        raise StepOutputError(
             f"a train step must return (new_state, metrics), found {type(out).__name__}"
             + (f" of length {len(out)}" if isinstance(out, tuple | list) else "")
             + "; return the updated state and a dict of scalar metrics"
         )
-    new, metrics = out
+    new, values = out
     if jax.tree.structure(new) != jax.tree.structure(state):
         raise StateError(
             f"the step returned a state of another structure than it took:\n  took     {jax.tree.structure(state)}"
@@ -170,8 +175,8 @@ def check_step_output(state: Any, out: Any) -> None:
         )
     bad = [
         f"metrics{jax.tree_util.keystr(p)}: shape {np.shape(m)}"
-        for p, m in jax.tree_util.tree_flatten_with_path(metrics)[0]
-        if np.ndim(m)
+        for p, m in jax.tree_util.tree_flatten_with_path(values)[0]
+        if metrics and np.ndim(m)
     ]
     if bad:
         raise StateError(

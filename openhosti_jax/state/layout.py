@@ -27,7 +27,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import jax
@@ -111,14 +111,15 @@ class StateLayout:
         leaves = [next(opt) if _within(tuple(p), self.opt_path) else s for p, s in flat]
         return jax.tree.unflatten(treedef, leaves)
 
-    def describe(self) -> str:
-        """One line naming both places."""
-        where = f"parameters at state{jax.tree_util.keystr(self.params_path)}"
+    def describe(self, where: Callable[[Path], str] | None = None) -> str:
+        """One line naming both places; ``where(path)`` names a path (default ``state`` + its key string)."""
+        name = where or (lambda p: f"state{jax.tree_util.keystr(p)}")
+        found = f"parameters at {name(self.params_path)}"
         if self.param_rels is not None:
-            where += " (the floating leaves the optimizer mirrors)"
+            found += " (the floating leaves the optimizer mirrors)"
         if self.opt_path is None:
-            return f"{where}, no optimizer state"
-        return f"{where}, optimizer state at state{jax.tree_util.keystr(self.opt_path)}"
+            return f"{found}, no optimizer state"
+        return f"{found}, optimizer state at {name(self.opt_path)}"
 
 
 def _signatures(leaves: list[tuple[Path, Any]]) -> tuple[dict[Path, dict[Path, tuple]], dict[Path, list[Path]]]:
@@ -151,7 +152,9 @@ def _branch(path: Path, depth: int) -> Path:
     return path[: depth + 1]
 
 
-def _by_mirror(leaves: list[tuple[Path, Any]], opt_named: Path | None) -> StateLayout | None:
+def _by_mirror(leaves: list[tuple[Path, Any]], opt_named: Path | None, arguments: bool = False) -> StateLayout | None:
+    """The parameters as the largest node an optimizer mirrors (module docstring, rule 3); with ``arguments`` the
+    state's top-level entries are separate step arguments, and only the parameters' own one weighs against them."""
     sig, holders = _signatures(leaves)
     nbytes = {p: leaf_bytes(x) for p, x in leaves if _is_float(x)}
     for node in sorted((n for n in sig if n), key=lambda n: (-len(sig[n]), len(n))):
@@ -166,7 +169,8 @@ def _by_mirror(leaves: list[tuple[Path, Any]], opt_named: Path | None) -> StateL
             node, x, y = mirror, y, x
         rels = frozenset(sig[copies[0]])  # the mirrored leaves, at the same relative paths in every copy
         mirrored = sum(nbytes[node + rel] for rel in rels)
-        if 2 * mirrored < sum(b for p, b in nbytes.items() if not _within(p, y)):
+        own = node[:1] if arguments else ()
+        if 2 * mirrored < sum(b for p, b in nbytes.items() if not _within(p, y) and _within(p, own)):
             return None  # look-alike blocks inside a bigger model (layer 0 and layer 1), not an optimizer's moments
         return StateLayout(node, None if rels == frozenset(sig[node]) else rels, y)
     return None
@@ -207,43 +211,50 @@ def _named(prefixes: set[Path], name: str) -> Path | None:
     return found[0] if found else None
 
 
-def find_layout(state: Any, *, params: str | None = None, opt_state: str | None = None) -> StateLayout:
+def _lookup(names: dict[str, Path], name: str, what: str) -> Path:
+    if name not in names:
+        shown = sorted(n for n in names if n.count(".") < 2)[:20]
+        raise StateError(
+            f"{what}={name!r} names no node of the state; expected a dotted path such as {shown}; "
+            "print jax.tree_util.tree_flatten_with_path(state) to see every path"
+        )
+    return names[name]
+
+
+def _leaves_and_names(state: Any) -> tuple[list[tuple[Path, Any]], set[Path], dict[str, Path]]:
+    leaves = [(tuple(p), x) for p, x in jax.tree_util.tree_flatten_with_path(state)[0]]
+    prefixes = {p[:k] for p, _ in leaves for k in range(len(p) + 1)}
+    return leaves, prefixes, {path_name(p): p for p in prefixes}
+
+
+def find_layout(
+    state: Any, *, params: str | None = None, opt_state: str | None = None, arguments: bool = False
+) -> StateLayout:
     """The `StateLayout` of ``state`` (see the module docstring); ``params`` / ``opt_state`` are dotted paths
-    (`path_name`) that override the search for unusual layouts.
+    (`path_name`) that override the search for unusual layouts. ``arguments``: the state's top-level entries are a
+    step's separate arguments (the data among them does not count as model).
 
     Raises `StateError` when the state has no floating-point leaf to train, or an override names no node.
     """
-    leaves = [(tuple(p), x) for p, x in jax.tree_util.tree_flatten_with_path(state)[0]]
+    leaves, prefixes, names = _leaves_and_names(state)
     if not any(_is_float(x) for _, x in leaves):
         found = sorted({type(x).__name__ for _, x in leaves}) or ["no leaves"]
         raise StateError(
             f"the state has no floating-point leaves to train (found {', '.join(found)}); pass the parameters "
             "in the step's first argument, e.g. step((params, opt_state), batch)"
         )
-    prefixes = {p[:k] for p, _ in leaves for k in range(len(p) + 1)}
-    names = {path_name(p): p for p in prefixes}
-
-    def lookup(name: str, what: str) -> Path:
-        if name not in names:
-            shown = sorted(n for n in names if n.count(".") < 2)[:20]
-            raise StateError(
-                f"{what}={name!r} names no node of the state; expected a dotted path such as {shown}; "
-                "print jax.tree_util.tree_flatten_with_path(state) to see every path"
-            )
-        return names[name]
-
     if params is not None:
-        p_path = lookup(params, "params")
-        o_path = lookup(opt_state, "opt_state") if opt_state is not None else _named(prefixes, "opt_state")
+        p_path = _lookup(names, params, "params")
+        o_path = _lookup(names, opt_state, "opt_state") if opt_state is not None else _named(prefixes, "opt_state")
         if not any(_is_float(x) for p, x in leaves if _within(p, p_path)):
             raise StateError(f"params={params!r} holds no floating-point leaf; name the node with the parameters")
         return StateLayout(p_path, None, o_path)
     p_named, o_named = _named(prefixes, "params"), _named(prefixes, "opt_state")
     if opt_state is not None:
-        o_named = lookup(opt_state, "opt_state")
+        o_named = _lookup(names, opt_state, "opt_state")
     if p_named is not None:
         return StateLayout(p_named, None, o_named)
-    found = _by_mirror(leaves, o_named)
+    found = _by_mirror(leaves, o_named, arguments)
     if found is not None:
         return found if o_named is None else dataclasses.replace(found, opt_path=o_named)
     floating = [p for p, x in leaves if _is_float(x)]
@@ -251,6 +262,37 @@ def find_layout(state: Any, *, params: str | None = None, opt_state: str | None 
     for p in floating[1:]:
         common = _common(common, p)
     return StateLayout(common, None, o_named)
+
+
+def layout_of_params(state: Any, param_leaves: Collection[Path], *, opt_state: str | None = None) -> StateLayout:
+    """The layout whose parameters are exactly the leaves at ``param_leaves`` (nnx ``Param`` variables: no search
+    needed). The optimizer state is the node named by ``opt_state`` (a dotted path), else the node named
+    ``opt_state`` (an `nnx.Optimizer`'s), else the branch that mirrors the parameters (an optax state), else none.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> state = {"w": jnp.ones(2), "stats": jnp.zeros(2)}
+        >>> path = jax.tree_util.tree_flatten_with_path(state)[0][1][0]
+        >>> layout_of_params(state, [path]).describe()
+        "parameters at state['w'], no optimizer state"
+    """
+    leaves, prefixes, names = _leaves_and_names(state)
+    chosen = [tuple(p) for p in param_leaves]
+    base = chosen[0]
+    for p in chosen[1:]:
+        base = _common(base, p)
+    rels = frozenset(p[len(base) :] for p in chosen)
+    floats = frozenset(p[len(base) :] for p, x in leaves if _within(p, base) and _is_float(x))
+    if opt_state is not None:
+        opt = _lookup(names, opt_state, "opt_state")
+    else:
+        opt = _named(prefixes, "opt_state")
+    mirrored = _by_mirror(leaves, None, arguments=True) if opt is None else None
+    if mirrored is not None and mirrored.opt_path is not None:  # an optimizer's mirror of these parameters
+        ours = any(_within(p, mirrored.params_path) for p in chosen)
+        if ours and not any(_within(p, mirrored.opt_path) for p in chosen):
+            opt = mirrored.opt_path
+    return StateLayout(base, None if rels == floats else rels, opt)
 
 
 def step_of(state: Any) -> int | None:

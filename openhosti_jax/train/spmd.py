@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -35,7 +35,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from openhosti_jax.errors import BatchError, StateError
+from openhosti_jax.errors import BatchError, StateError, StepOutputError
 from openhosti_jax.mesh.barrier import agree
 from openhosti_jax.mesh.build import build_mesh
 from openhosti_jax.microbatch import OOMRetryStep, find_microbatch
@@ -43,12 +43,14 @@ from openhosti_jax.sharding.batch import place_batch
 from openhosti_jax.sharding.plan import ShardingPlan
 from openhosti_jax.sharding.report import PlanReport
 from openhosti_jax.sharding.zero import Optimizer
+from openhosti_jax.state.call import static_arguments
 from openhosti_jax.state.contracts import StepFn
 from openhosti_jax.state.jit import jit_eval, jit_step
 from openhosti_jax.state.layout import StateLayout, find_layout
 from openhosti_jax.state.model import abstract
 from openhosti_jax.state.train_state import TrainState
 from openhosti_jax.train.create import Strategy, resolve_plan
+from openhosti_jax.train.spmd_any import AnyCalls
 
 
 def _optimizer(state: Any, shapes: Any, layout: StateLayout) -> Optimizer:
@@ -77,8 +79,14 @@ class SpmdStep:
         params: str | None = None,
         opt_state: str | None = None,
         skip_nonfinite: bool = True,
+        static_argnums: int | Sequence[int] = (),
+        static_argnames: str | Sequence[str] = (),
     ):
         functools.update_wrapper(self, fn)
+        nums = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
+        names = (static_argnames,) if isinstance(static_argnames, str) else tuple(static_argnames)
+        self._static = static_arguments(fn, nums, names)
+        self._any = AnyCalls(self)
         self.skip_nonfinite = skip_nonfinite
         self._paths = {"params": params, "opt_state": opt_state}
         self.layout: StateLayout | None = None
@@ -100,6 +108,11 @@ class SpmdStep:
         """(jitted step, state shardings) per (state treedef, batch treedef, microbatches)."""
         self._retry = None
         self._agreed = False
+        self._plan_fn: StepFn | None = None
+        self._where: Callable | None = None
+        self.skipped_nonfinite: jax.Array | None = None
+        """Whether the last call skipped a non-finite update (for steps of any other signature than
+        ``(state, batch) -> (state, metrics)``, whose metrics report ``skipped_nonfinite`` instead)."""
 
     def _auto_plan_kw(self, state: Any, shapes: Any, batch: Any) -> dict[str, Any]:
         """What ``plan="auto"`` gives the planner from the first call: the real batch shapes, this step (to price
@@ -115,7 +128,8 @@ class SpmdStep:
             return jax.ShapeDtypeStruct(shape, jax.numpy.result_type(x))
 
         sample = jax.tree.map(global_leaf, batch)
-        kw: dict[str, Any] = {"sample_batch": sample, "step_fn": self.fn, "state": shapes, "layout": self.layout}
+        step_fn = self._plan_fn or self.fn
+        kw: dict[str, Any] = {"sample_batch": sample, "step_fn": step_fn, "state": shapes, "layout": self.layout}
         apply_fn = state.apply_fn if isinstance(state, TrainState) else None
         model_state = shapes.model_state if apply_fn is not None else None
         if apply_fn is not None:
@@ -149,7 +163,7 @@ class SpmdStep:
                 strategy, params, _optimizer(state, shapes, self.layout), self.mesh, **kw
             )
             self.plan.validate(params)
-            self.report.record(f"state layout: {self.layout.describe()}")
+            self.report.record(f"state layout: {self.layout.describe(self._where)}")
             if strategy == "auto" and "apply_fn" not in kw and batch is not None:
                 self.report.record(
                     "activations and FLOPs priced from the step's own jaxpr: no apply_fn(params, batch) takes the "
@@ -257,11 +271,22 @@ class SpmdStep:
 
         return run
 
-    def __call__(self, state: Any, batch: Any) -> tuple[Any, Any]:
-        state, batch = self.place(state, batch)
-        if self._retry is None:
-            self._choose_microbatches(state, batch)
-        return self._retry(state, batch)
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the step: ``step(state, batch) -> (state, metrics)``, or any signature ``jax.jit`` takes (graph
+        objects mutated in place, the state spread over several arguments; `openhosti_jax.train.spmd_any`)."""
+        if self._any.active or not self._any.is_state_batch(args, kwargs):
+            return self._any(args, kwargs)
+        try:
+            state, batch = self.place(*args)
+            if self._retry is None:
+                self._choose_microbatches(state, batch)
+            out = self._retry(state, batch)
+        except StepOutputError as err:  # e.g. flax's `return state`: runs as a step of any signature
+            if self._any.ran_pairs:
+                raise
+            return self._any.fall_back(args, err)
+        self._any.ran_pairs = True
+        return out
 
 
 def spmd(
@@ -276,14 +301,21 @@ def spmd(
     params: str | None = None,
     opt_state: str | None = None,
     skip_nonfinite: bool = True,
+    static_argnums: int | Sequence[int] = (),
+    static_argnames: str | Sequence[str] = (),
     **plan_kw: Any,
-) -> SpmdStep | Callable[[StepFn], SpmdStep]:
-    """Decorate ``train_step(state, batch) -> (state, metrics)`` to run sharded over ``mesh`` by ``plan``.
+) -> SpmdStep | Callable[[Callable[..., Any]], SpmdStep]:
+    """Decorate a train step to run sharded over ``mesh`` by ``plan``: ``train_step(state, batch) -> (state,
+    metrics)``, or any step ``jax.jit`` / ``nnx.jit`` takes (`openhosti_jax.train.spmd_any`): nnx graph objects
+    mutated in place (``train_step(model, optimizer, metrics, batch)``), the state spread over several arguments
+    (``step(params, opt_state, batch) -> (params, opt_state, loss)``), PRNG keys, counters, and static arguments
+    (``static_argnums`` / ``static_argnames``, as ``jax.jit`` takes them).
 
     ``plan`` is a `ShardingPlan`, a strategy (``"fsdp"`` default, ``"dp"``, ``"zero1"``, ``"zero2"``,
     ``"auto"``) or a ZeRO stage; ``mesh`` defaults to all devices on the ``data`` axis. The state is any pytree;
-    ``params`` / ``opt_state`` (dotted paths such as ``"0"`` or ``"model.params"``) say where its parameters and
-    optimizer state are when the automatic search (`openhosti_jax.state.layout.find_layout`) cannot tell.
+    ``params`` / ``opt_state`` (dotted paths such as ``"0"`` or ``"model.params"``; for a step of another signature,
+    from the argument's position or keyword: ``"0"``, ``"1.opt_state"``) say where its parameters and optimizer
+    state are when the automatic search (`openhosti_jax.state.layout.find_layout`) cannot tell.
     ``microbatch`` is the number of gradient-accumulation steps, or ``"auto"``: the largest per-device microbatch
     whose compiled peak fits ``memory_budget`` (default: the device's limit), found by AOT compiles. Steps built with
     `openhosti_jax.microbatch.make_train_step` accumulate over it; an out-of-memory step halves the microbatch and
@@ -299,6 +331,19 @@ def spmd(
         )
 
     def build(f: StepFn) -> SpmdStep:
-        return SpmdStep(f, mesh, plan, donate, microbatch, memory_budget, plan_kw, params, opt_state, skip_nonfinite)
+        return SpmdStep(
+            f,
+            mesh,
+            plan,
+            donate,
+            microbatch,
+            memory_budget,
+            plan_kw,
+            params,
+            opt_state,
+            skip_nonfinite,
+            static_argnums=static_argnums,
+            static_argnames=static_argnames,
+        )
 
     return build if fn is None else build(fn)
