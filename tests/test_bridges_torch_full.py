@@ -3,6 +3,7 @@ gradient accumulation over microbatches, checkpoint save/resume and the state-di
 
 import copy
 import importlib.util
+import warnings
 
 import numpy as np
 import pytest
@@ -324,3 +325,47 @@ def test_balanced_full_mode_refuses_buffers_zero3_and_stray_options():
         OptimizedDDP(gpt, optimizer=opt, loss_fn=_ce, microbatches=8)
     with pytest.raises(BridgeError, match="belong to the full mode"):
         OptimizedDDP(gpt, balance=True)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("schedule", ["step", "onecycle"])
+def test_full_mode_follows_torch_lr_schedulers(schedule):
+    """The loop steps a torch scheduler after each train_step: StepLR's decays, and OneCycleLR's rate and cycled
+    Adam beta1, reach every step (read from param_groups) without a retrace; 6 steps as plain torch's within 1e-5."""
+    torch.manual_seed(0)
+    reference = TinyGPT(bias=False)
+    ours = copy.deepcopy(reference)
+    batches = _tokens(6)
+
+    def scheduled(model):
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+        if schedule == "step":
+            return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.3)
+        return opt, torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=6)
+
+    opt, sched = scheduled(reference)
+    expected = []
+    for x, y in batches:
+        expected += _torch_steps(reference, opt, [(x, y)])
+        sched.step()
+    traced = []
+
+    def loss(out, targets):
+        traced.append(1)  # runs when a program is traced, not when it runs
+        return _ce(out, targets)
+
+    opt, sched = scheduled(ours)
+    ddp = OptimizedDDP(ours, optimizer=opt, loss_fn=loss)
+    got, rates = [], []
+    for x, y in batches:
+        got.append(float(ddp.train_step(x, y)))
+        if len(got) == 1:
+            traces = len(traced)
+        rates.append(opt.param_groups[0]["lr"])
+        with warnings.catch_warnings():  # no "lr_scheduler.step() before optimizer.step()": the optimizer stepped
+            warnings.simplefilter("error", UserWarning)
+            sched.step()
+    assert len(set(rates)) >= 3 and len(traced) == traces
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    ddp.state_dict()
+    _assert_state_close(ours, reference)

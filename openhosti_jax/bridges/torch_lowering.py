@@ -5,9 +5,13 @@ torchax 0.0.13 names aten overloads of named tensors (``aten.prod.dim_Dimname``,
 `import_torchax` lets exactly those names resolve to inert placeholders while torchax loads (no model can call a
 removed overload), and puts back the torch global that the import changes (the MultiheadAttention fast path).
 
-`lower` gives ``apply(params, buffers, *args, key=None) -> (output, buffers)``, jittable and differentiable;
-parameters shared by two modules (a tied embedding and head) are one entry. Batch norm writes its running statistics
-into the returned buffers as torch does (torchax's own drops them).
+`lower` gives ``apply(params, buffers, *args, key=None) -> (output, buffers)``, jittable and differentiable, and
+``call`` for any call structure (keyword arguments, non-tensor arguments, outputs that are dicts, dataclasses or
+transformers' ``ModelOutput``: `openhosti_jax.bridges.torch_tree`); parameters shared by two modules (a tied
+embedding and head) are one entry. The forward is traced with ``torch.compiler.is_compiling()`` true, as under
+``torch.compile(fullgraph=True)``: code with a compile-friendly path (transformers' attention masks) takes it; reading
+a traced value in Python (``.item()``, ``if tensor:``) is a `BridgeError` naming the module and the source line.
+Batch norm writes its running statistics into the returned buffers as torch does (torchax's own drops them).
 
 Example:
     >>> import torch, jax.numpy as jnp
@@ -29,6 +33,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from openhosti_jax.bridges.torch_tree import flatten, unflatten
 from openhosti_jax.errors import BridgeError
 
 
@@ -127,6 +132,9 @@ class Lowered:
     apply: Callable[..., tuple[Any, dict[str, Any]]]
     """``apply(params, buffers, *args, key=None) -> (output, buffers after the call)``, pure; ``key`` draws the
     random numbers (dropout) with JAX's generator, not torch's."""
+    call: Callable[..., tuple[list[Any], Any, dict[str, Any]]]
+    """``call(params, buffers, spec, leaves, key=None) -> (output leaves, output spec, buffers after the call)``:
+    the forward of ``unflatten(spec, leaves) == (args, kwargs)`` (`openhosti_jax.bridges.torch_tree`), pure."""
 
     def params(self) -> dict[str, jax.Array]:
         """The module's current parameter values as JAX arrays."""
@@ -161,7 +169,17 @@ def lower(module: Any) -> Lowered:
             out = _explained(module, lambda: jm.functional_call("forward", p, b, *a))
         return env.t2j_iso(out), env.t2j_iso(b)
 
-    return Lowered(module, names, buffer_names, apply)
+    def call(
+        params: dict[str, Any], buffers: dict[str, Any], spec: Any, leaves: list[Any], key: jax.Array | None = None
+    ) -> tuple[list[Any], Any, dict[str, Any]]:
+        p, b, lv = env.j2t_iso((dict(params), dict(buffers), list(leaves)))
+        args, kwargs = unflatten(spec, lv)
+        with env, env.override_property(prng=key) if key is not None else contextlib.nullcontext():
+            out = _explained(module, lambda: jm.functional_call("forward", p, b, *args, **kwargs))
+        out_leaves, out_spec = flatten(out)
+        return env.t2j_iso(out_leaves), out_spec, env.t2j_iso(b)
+
+    return Lowered(module, names, buffer_names, apply, call)
 
 
 def lower_function(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -196,8 +214,17 @@ def _explained(module: Any, call: Callable[[], Any]) -> Any:
         torch.nn.modules.module.register_module_forward_pre_hook(enter),
         torch.nn.modules.module.register_module_forward_hook(leave),
     ]
+    compiling = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = True  # the trace is one graph, as torch.compile(fullgraph=True) makes
     try:
         return call()
+    except jax.errors.ConcretizationTypeError as e:
+        where = f" in module {stack[-1]!r}" if stack else ""
+        raise BridgeError(
+            f"forward(){where} reads a tensor's value in Python at {_user_line(e)} (aten._local_scalar_dense: "
+            "`.item()`, `if tensor:`, `int(tensor)`), which one compiled program cannot do: the value exists only "
+            "when it runs. Keep the choice in tensors (torch.where, masking), or make it from non-tensor arguments"
+        ) from e
     except OperatorNotFound as e:
         where = f" in module {stack[-1]!r}" if stack else ""
         raise BridgeError(
@@ -213,5 +240,15 @@ def _explained(module: Any, call: Callable[[], Any]) -> Any:
             "it like its inputs (torch.ones(..., device=x.device), torch.zeros_like(x)) or register it as a buffer"
         ) from e
     finally:
+        torch.compiler._is_compiling_flag = compiling
         for h in hooks:
             h.remove()
+
+
+def _user_line(e: BaseException) -> str:
+    """``file:line`` of the innermost frame of ``e``'s traceback outside torch, torchax, jax and this library."""
+    import traceback
+
+    skip = ("/torch/", "/torchax/", "/jax/", "/jaxlib/", "/openhosti_jax/bridges/")
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if not any(s in f.filename for s in skip)]
+    return f"{frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})" if frames else "an unknown line"

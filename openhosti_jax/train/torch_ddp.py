@@ -1,18 +1,23 @@
 """`OptimizedDDP`: replace ``DistributedDataParallel(model)`` with ``OptimizedDDP(model)`` and keep the loop.
 
-``out = model(x)`` runs the module's forward as one jitted JAX program over the mesh's ``data`` axis (the batch split
-over the devices, the parameters replicated); ``loss.backward()`` runs its VJP as a second program (it recomputes the
-forward: nothing of the first program is kept alive between the two) and writes each parameter's gradient into
-``param.grad``, summed over the devices as DDP's all-reduce leaves it; the torch optimizer then steps as before.
-Buffers the forward changes (BatchNorm's running statistics and batch counter) are written back in training mode;
-``model.eval()`` / ``model.train()`` select the program. Dropout draws its masks from JAX's generator (``seed``), not
-torch's; the backward reuses the forward's masks. Under torchrun each process passes its own batch and gets its own
-rows of the output back; the runtime starts from torchrun's variables, process 0's parameters and buffers are
-broadcast as DDP broadcasts them, and gradients are averaged over the processes. Batch norm normalises over the
-global batch (as ``SyncBatchNorm``), where DDP's normalises over each process's.
+``out = model(*args, **kwargs)`` runs the module's forward as one jitted JAX program over the mesh's ``data`` axis
+(the batch split over the devices, the parameters replicated; `openhosti_jax.train.torch_dropin`): any batch size (a
+DataLoader's short last batch is split unevenly, its means and statistics over the real rows), keyword and non-tensor
+arguments, outputs of any structure (tensor, tuple, dict, dataclass, transformers' ``ModelOutput``, so
+``outputs.loss.backward()`` works). The program keeps the VJP's residuals; ``loss.backward()`` runs only the VJP
+(the forward runs once per step) and writes each parameter's gradient into ``param.grad``, summed over the devices as
+DDP's all-reduce leaves it; the torch optimizer and its schedulers then step as before. Buffers the forward changes
+(BatchNorm's running statistics and batch counter) are written back in training mode; ``model.eval()`` /
+``model.train()`` select the program. Dropout draws its masks from JAX's generator (``seed``), not torch's. Under
+torchrun each process passes its own batch and gets its own rows of the output back; the runtime starts from
+torchrun's variables, process 0's parameters and buffers are broadcast as DDP broadcasts them, and gradients are
+averaged over the processes. Batch norm normalises over the global batch (as ``SyncBatchNorm``), where DDP's
+normalises over each process's.
 
 The full mode, ``OptimizedDDP(module, optimizer=opt, loss_fn=loss, plan="fsdp")`` then ``model.train_step(x, y)``,
-maps the torch optimizer to optax (`openhosti_jax.bridges.torch_optim`: AdamW, Adam, SGD, their groups) and runs
+maps the torch optimizer to optax (`openhosti_jax.bridges.torch_optim`: SGD, Adam(W), Adamax, NAdam, RAdam, Adadelta,
+Adagrad, RMSprop with their options and groups, as torch steps them; each step reads every group's ``lr`` (momentum,
+betas, ...) from ``optimizer.param_groups``, so a torch LR scheduler stepped in the loop is honoured) and runs
 forward, loss, gradient and update as one program whose parameters and optimizer state the plan shards (ZeRO-3 by
 default). The buffers ride in the train state's ``model_state``: BatchNorm's running statistics are updated as torch
 updates them. ``model.eval()`` / ``model.train()`` select the program (one each). ``microbatch=k`` accumulates the
@@ -62,7 +67,7 @@ from jax.sharding import PartitionSpec as P
 
 from openhosti_jax.balance import Balancer
 from openhosti_jax.bridges.torch_lowering import Lowered, lower, lower_function
-from openhosti_jax.bridges.torch_optim import optax_from_torch
+from openhosti_jax.bridges.torch_optim import TorchOptimizer, set_hyperparams
 from openhosti_jax.checkpoint import CheckpointManager
 from openhosti_jax.errors import BatchError, BridgeError
 from openhosti_jax.mesh import MeshConfig, build_mesh
@@ -74,6 +79,7 @@ from openhosti_jax.state.init import abstract_train_state
 from openhosti_jax.train.balanced import BalancedStep
 from openhosti_jax.train.create import Strategy, create_train_state
 from openhosti_jax.train.spmd import SpmdStep, spmd
+from openhosti_jax.train.torch_dropin import DropIn, host_value
 
 
 def _zero_stage(plan: Strategy) -> int | None:
@@ -82,38 +88,6 @@ def _zero_stage(plan: Strategy) -> int | None:
         return plan.zero_stage
     named = {"fsdp": 3, "zero3": 3, "zero2": 2, "zero1": 1}
     return named.get(plan) if isinstance(plan, str) else plan
-
-
-def _local(x: jax.Array) -> np.ndarray:
-    """A replicated array's value on this process (a writable copy)."""
-    return np.array(x.addressable_data(0))
-
-
-class _Run(torch.autograd.Function):
-    """The lowered forward as an autograd node: its backward writes the parameters' gradients."""
-
-    @staticmethod
-    def forward(ctx: Any, ddp: OptimizedDDP, n_in: int, *tensors: torch.Tensor) -> torch.Tensor:
-        inputs, params = tensors[:n_in], tensors[n_in:]
-        p = {n: ddp._replicated(t) for n, t in zip(ddp._low.param_names, params, strict=True)}
-        b = {n: ddp._replicated(t) for n, t in ddp._buffers_now().items()}
-        x = tuple(ddp._split(t) for t in inputs)
-        key = ddp._next_key()
-        out, new_buffers = ddp._program("forward")(p, b, key, *x)
-        if ddp.module.training:
-            ddp._write_buffers(new_buffers)
-        ctx.saved = (ddp, p, b, key, x)
-        return torch.from_numpy(np.array(multihost_utils.global_array_to_host_local_array(out, ddp.mesh, ddp._rows)))
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        ddp, p, b, key, x = ctx.saved
-        del ctx.saved
-        grads = ddp._program("backward")(p, b, key, x, ddp._split(grad))  # the forward's dropout masks again
-        # each process's loss is its own batch's, so the program's sum over processes is averaged, as DDP does
-        scale = 1.0 / jax.process_count()
-        param_grads = (torch.from_numpy(_local(grads[n]) * scale) for n in ddp._low.param_names)
-        return (None, None, *[None] * len(x), *param_grads)
 
 
 class OptimizedDDP(torch.nn.Module):
@@ -174,19 +148,21 @@ class OptimizedDDP(torch.nn.Module):
         self.data_axis = data_axis
         self._rows = P(data_axis)
         self._low: Lowered = lower(module)
+        self._dropin = DropIn(self._low, self.mesh, data_axis)
         if balance:
             plan = "dp" if plan is None else plan
             self._check_balance(plan, microbatch, memory_budget, microbatches, balancer_kw)
         plan = "fsdp" if plan is None else plan
-        self._programs: dict[tuple[str, bool], Any] = {}
         self._full: dict[str, Any] | None = None
         self.checkpoints: CheckpointManager | None = None
         """The full mode's `CheckpointManager` over ``checkpoint_dir`` (None without one)."""
         if optimizer is not None:
             named = dict(module.named_parameters())
-            tx = optax_from_torch(optimizer, {n: named[n] for n in self._low.param_names})
+            torch_opt = TorchOptimizer(optimizer, {n: named[n] for n in self._low.param_names})
             self._full = {
-                "tx": tx,
+                "optimizer": torch_opt,
+                "hyper": None,  # the hyperparameters the train state holds (a scheduler changes param_groups')
+                "tx": torch_opt.tx,
                 "loss": lower_function(loss_fn),
                 "plan": plan,
                 "seed": seed,
@@ -208,14 +184,16 @@ class OptimizedDDP(torch.nn.Module):
                 for k, v in multihost_utils.broadcast_one_to_all(state).items():
                     module.state_dict()[k].copy_(torch.from_numpy(np.array(v)))
 
-    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
-        bad = [i for i, t in enumerate(inputs) if not isinstance(t, torch.Tensor)]
-        if bad:
-            raise BridgeError(f"OptimizedDDP takes tensors as positional inputs; inputs {bad} are not tensors")
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """``module(*args, **kwargs)`` as one JAX program over the data axis (`openhosti_jax.train.torch_dropin`):
+        any batch size, keyword and non-tensor arguments, any output structure; ``backward()`` fills ``param.grad``."""
         self.sync_module()  # the full mode's trained weights, when it has trained
         named = dict(self.module.named_parameters())
-        out = _Run.apply(self, len(inputs), *inputs, *(named[n] for n in self._low.param_names))
-        if self.full_state is not None and self.module.training and self._low.buffer_names:
+        training = self.module.training
+        out, new_buffers = self._dropin(training, args, kwargs, named, self._buffers_now(), self._next_key())
+        if training:
+            self._write_buffers(new_buffers)
+        if self.full_state is not None and training and self._low.buffer_names:
             self._take_module(params=False)  # the statistics this call updated carry into the next train_step
         return out
 
@@ -241,7 +219,12 @@ class OptimizedDDP(torch.nn.Module):
             self._build_full(full)
             if self.checkpoints is not None and self.checkpoints.latest_good_step() is not None:
                 self.restore_checkpoint()
+        hyper = full["optimizer"].hyperparams()  # the rates (momenta, ...) any scheduler set since the last step
+        if hyper != full["hyper"]:
+            full["state"] = full["state"].replace(opt_state=set_hyperparams(full["state"].opt_state, hyper))
+            full["hyper"] = hyper
         full["state"], metrics = self._full_step(self.module.training)(full["state"], batch)
+        full["optimizer"].optimizer._opt_called = True  # it stepped (in JAX): schedulers check this flag
         full["dirty"] = True
         full["count"] += 1
         if self.checkpoints is not None:
@@ -476,6 +459,7 @@ class OptimizedDDP(torch.nn.Module):
         if full["state"] is None:
             self._build_full(full)
         full["state"], _, _ = self.checkpoints.restore(abstract_train_state(full["state"]), step)
+        full["hyper"] = None  # the next step writes param_groups' current values over the saved ones
         full["count"] = int(self.checkpoints.restored_step)  # type: ignore[arg-type]
         full["dirty"] = True
         return full["count"]
@@ -490,9 +474,6 @@ class OptimizedDDP(torch.nn.Module):
     def _next_key(self) -> jax.Array:
         self._key, key = jax.random.split(self._key)
         return key
-
-    def _replicated(self, t: torch.Tensor) -> jax.Array:
-        return self._replicated_value(t.detach().cpu().numpy())
 
     def _replicated_value(self, value: Any) -> jax.Array:
         value = np.asarray(value)
@@ -529,24 +510,4 @@ class OptimizedDDP(torch.nn.Module):
     def _write_buffers(self, new: dict[str, Any]) -> None:
         with torch.no_grad():
             for n, t in self._buffers_now().items():
-                t.copy_(torch.from_numpy(_local(new[n])))
-
-    def _program(self, kind: str) -> Any:
-        """The jitted forward or backward for the module's current mode (train / eval trace differently)."""
-        slot = (kind, self.module.training)
-        if slot not in self._programs:
-            apply = self._low.apply
-            if kind == "forward":
-
-                def forward(p: Any, b: Any, key: Any, *x: Any) -> Any:  # one function per mode: jax caches by it
-                    return apply(p, b, *x, key=key)
-
-                self._programs[slot] = jax.jit(forward)
-            else:
-
-                def vjp(p: Any, b: Any, key: Any, x: Any, g: Any) -> Any:
-                    _, pull = jax.vjp(lambda q: apply(q, b, *x, key=key)[0], p)
-                    return pull(g)[0]
-
-                self._programs[slot] = jax.jit(vjp)
-        return self._programs[slot]
+                t.copy_(torch.from_numpy(host_value(new[n])))
