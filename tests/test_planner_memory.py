@@ -8,7 +8,7 @@ import pytest
 
 from openhosti_jax.mesh import MeshConfig, build_mesh
 from openhosti_jax.models.examples import EXAMPLES, example_inputs, gpt_step
-from openhosti_jax.planner import PROFILES
+from openhosti_jax.planner import PROFILES, choose_plan
 from openhosti_jax.planner.search import enumerate_candidates, search
 from openhosti_jax.planner.verify import compiled_step_bytes
 from openhosti_jax.planner.workload import workload
@@ -21,7 +21,8 @@ def scored(batch: int):
     init_fn, tx, _ = example_inputs("gpt-tiny")
     cfg, _ = EXAMPLES["gpt-tiny"]
     work = workload(init_fn, jax.ShapeDtypeStruct((batch, cfg.seq_len), jnp.int32))
-    return work, tx, {s.candidate.label: s for s in search(work, tx, enumerate_candidates(8), CPU)}
+    cands = enumerate_candidates(8, sequence_parallel=CPU.native_reduce_scatter)
+    return work, tx, {s.candidate.label: s for s in search(work, tx, cands, CPU)}
 
 
 @pytest.mark.timeout(300)
@@ -56,3 +57,23 @@ def test_tensor_axis_that_does_not_divide_the_heads_is_not_a_candidate():
     _, _, by_label = scored(16)  # gpt-tiny has 4 heads
     tensors = {s.plan.mesh_shape["tensor"] for s in by_label.values()}
     assert tensors == {1, 2, 4}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", ["gpt-tiny", "gpt"])
+def test_the_cpu_profile_choice_and_every_prediction_are_pinned(name):
+    """On the CPU profile (no native reduce-scatter, so no sequence-parallel candidate: the split would be an
+    all-reduce and a slice) every enumerated candidate's predicted bytes are within 10% of its compiled step, and
+    the choice stays plain data parallel (the pin that catches pricing meant for another backend leaking here)."""
+    init_fn, tx, batch = example_inputs(name)
+    work = workload(init_fn, batch)
+    _, report = choose_plan(init_fn, tx, batch, verify=False, device_profile=CPU)
+    assert report.candidates[0].label == "data=8 zero0"
+    cands = enumerate_candidates(8, sequence_parallel=CPU.native_reduce_scatter)
+    assert not any(c.sequence_parallel for c in cands)
+    ratios = {}
+    for s in search(work, tx, cands, CPU):
+        mesh = build_mesh(MeshConfig.from_sizes(dict(s.plan.mesh_shape)))
+        ratios[s.candidate.label] = s.estimate.bytes / compiled_step_bytes(s.plan, work, tx, gpt_step, mesh)
+    assert len(ratios) >= 18 and all(0.9 < r < 1.1 for r in ratios.values()), ratios

@@ -113,6 +113,7 @@ def choose_plan(
         max_tensor=where.devices_per_host if isinstance(where, Cluster) and where.hosts > 1 else None,
         max_stages=work.layer_count,
         pipeline_tensor=where.stack.pipeline_tensor if isinstance(where, Cluster) else False,
+        sequence_parallel=profile.native_reduce_scatter,
     )
     accumulates = step_fn is not None and step_accumulates(work, optimizer, step_fn)
     scored = search(

@@ -109,12 +109,16 @@ def enumerate_candidates(
     max_tensor: int | None = None,
     max_stages: int | None = None,
     pipeline_tensor: bool = False,
+    sequence_parallel: bool = True,
 ) -> list[Candidate]:
     """Every distinct (mesh shape, ZeRO stage) for ``n_devices``, once per precision of ``precisions``
     (``max_tensor``: the largest tensor axis, e.g. the devices of one host: a tensor-parallel group that crosses
     hosts all-reduces every layer's activations over the slow link; ``max_stages``: the most pipeline stages, the
     model's layer count; ``pipeline_tensor``: whether a pipeline stage can split its layers over ``tensor``, as
-    `Stack.pipeline_tensor` says; this library's pipeline cannot, so by default a pipelined mesh has none)."""
+    `Stack.pipeline_tensor` says; this library's pipeline cannot, so by default a pipelined mesh has none;
+    ``sequence_parallel``: whether a tensor axis splits the sequence too, which saves memory only where the
+    backend reduce-scatters natively (`DeviceProfile.native_reduce_scatter`): XLA's CPU backend all-reduces the
+    block's output in full and slices it, and a sequence-split GPT step compiled there is larger, not smaller)."""
     out = []
     for s in [s for s in divisors(n_devices) if max_stages is None or s <= max_stages] if pipeline else [1]:
         for t in [t for t in divisors(n_devices // s) if max_tensor is None or t <= max_tensor] if tensor else [1]:
@@ -125,7 +129,7 @@ def enumerate_candidates(
                 shape = {"stage": s, "data": rest // f, "fsdp": f, "tensor": t}
                 stages = [0] if f == 1 else [1, 2, 3]
                 axes = ("fsdp",) if rest // f > 1 else ZERO_AXES
-                sequence = t > 1  # it only saves memory: the same bytes move, the norms run split
+                sequence = t > 1 and sequence_parallel  # it only saves memory: the same bytes move
                 out += [
                     Candidate(shape, z, axes, precision=p, sequence_parallel=sequence)
                     for p in precisions
@@ -557,7 +561,7 @@ def plan_on_mesh(
     profile = device_profile(devices, device_profile_, max_bytes=gradient_bytes(work))
     budget, source = memory_budget_for(devices, profile, memory_budget)
     stages = [0] if dp == 1 else [0, 1, 2, 3]
-    sequence = sizes.get("tensor", 1) > 1 and sizes.get("stage", 1) == 1
+    sequence = sizes.get("tensor", 1) > 1 and sizes.get("stage", 1) == 1 and profile.native_reduce_scatter
     candidates = [
         Candidate(sizes, z, precision=p, sequence_parallel=sequence)
         for p in precision_options(precision)
