@@ -31,3 +31,7 @@ def test_quick_start_runs_and_trains():
     assert math.isfinite(float(scope["metrics"]["loss"])) and int(scope["flax_state"].step) == 1
     assert scope["plain_step"].layout.describe() == "parameters at state[0], optimizer state at state[1]"
     assert scope["flax_state"].params["Dense_0"]["kernel"].sharding.spec == jax.P(None, ("data", "fsdp"))
+    anything = re.search(r"### Or keep the step you have.*?```python\n.*?```.*?```python\n(.*?)```", README, re.S)
+    exec(compile(anything.group(1), "README.md", "exec"), scope)  # noqa: S102 - the nnx tutorial-style step
+    assert int(scope["optimizer"].step[...]) == 1 and math.isfinite(float(scope["metrics"].compute()["loss"]))
+    assert scope["model"].l1.kernel[...].sharding.spec == jax.P(None, ("data", "fsdp"))
