@@ -1,0 +1,64 @@
+"""Every benchmark's quick mode runs to its JSON with every key of `benchmarks/README.md` printed and every goal
+the table marks asserted met: a goal that held when its issue closed cannot stop holding unseen."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import goals  # noqa: E402
+
+SCRIPTS = sorted(
+    f for f in os.listdir(os.path.join(ROOT, "benchmarks")) if f.endswith(".py") and f not in ("goals.py",)
+)
+TIMEOUT_S = 600
+
+
+def run_quick(script: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    done = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", script), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        env=env,
+        cwd=ROOT,
+    )
+    lines = done.stdout.strip().splitlines()
+    assert done.returncode == 0 and lines, f"{script} exited {done.returncode}:\n{done.stderr[-4000:]}"
+    return json.loads(lines[-1])
+
+
+def test_every_script_has_goals_and_every_goal_a_script():
+    rows = goals.table()
+    scripts = {r.script for r in rows}
+    assert scripts <= set(SCRIPTS), scripts - set(SCRIPTS)
+    assert {s for s in SCRIPTS if not s.startswith("gpu_")} <= scripts
+    for r in rows:  # every goal parses
+        value = [1.0] if r.goal.startswith("each ") else r.goal == "true" if r.goal in ("true", "false") else 1.0
+        goals.meets(value, r.goal, {"compile_bound": 2.0})
+
+
+def test_a_broken_goal_fails_the_check():
+    rows = [goals.Goal("x.py", "ratio", "<= 1.0", True), goals.Goal("x.py", "absent", "true", True)]
+    checked = goals.check({"ratio": 1.2}, "x.py", rows)
+    assert checked["goals_met"] == {"ratio": False} and checked["missing_keys"] == ["absent"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(TIMEOUT_S + 60)
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_quick_mode_meets_its_asserted_goals(script):
+    out = run_quick(script)
+    assert out.get("quick") is True, f"{script} did not run its quick mode"
+    assert not out.get("missing_keys"), f"{script} printed no {out.get('missing_keys')}"
+    failed = {
+        k: (out[k], g) for k, g in out["goals"].items() if not g.endswith("(reported)") and out["goals_met"][k] is False
+    }
+    assert not failed, f"{script}: goals not met (value, goal): {failed}"
