@@ -1,8 +1,8 @@
 """Pipeline benchmark: automatic cuts vs equal layer counts, simulated and measured bubble, pipelined vs plain step,
 and the stage-local train step's compiled memory (state per device, in-flight activations of 1F1B vs GPipe).
 
-Prints one JSON object on its last line with the keys BENCHMARKS.md lists for pipeline.py. Every time is a median
-over alternated repetitions in this process.
+Prints one JSON object on its last line (keys and goals: ``benchmarks/README.md``). Every time is a median over
+alternated repetitions in this process; ``--quick`` takes fewer of them.
 
 Measured bubble: the executor is timed at several microbatch counts M with a fixed microbatch size; the slope of
 step time in M is the cost of one microbatch's work, so ``1 - M * slope / T(M)`` is the share of the step not spent
@@ -19,9 +19,9 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import json  # noqa: E402
 import time  # noqa: E402
 
+import goals  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -43,7 +43,7 @@ from openhosti_jax.pipeline import (  # noqa: E402
 )
 
 S = 4
-REPS = 9
+REPS = 3 if goals.QUICK else 9
 
 
 def dense(p, x):
@@ -175,7 +175,7 @@ def main() -> None:
     )
     out.update(stage_local_memory())
     out.update(fits_where_dp_does_not())
-    print(json.dumps(out))
+    goals.emit(out, __file__)
 
 
 def stage_local_memory() -> dict:

@@ -2,15 +2,17 @@
 
 GPT example (bundled model, Adam) on 8 simulated CPU devices. The planner's default mode is the pure cost model
 (``refine=0``); the refined choice (``refine=3``: the top 3 predicted compiled and timed) is reported beside it.
-Every candidate is timed in the same alternated rounds, and the replicated data-parallel plan a second time as
-its own instance (own step and state): ``identical_plans_ratio`` (slower / faster instance of that one plan) is
+Each candidate is compiled once: the compiled step gives both its memory and its timings. Every candidate is timed
+in the same alternated rounds, and the replicated data-parallel plan a second time as its own instance (own compile
+and state): ``identical_plans_ratio`` (slower / faster instance of that one plan) is
 the run's noise floor, a spread no ranking can resolve.
 
 The fastest of 21 noisy timings is biased low (the winner's curse: the minimum picks the instance that happened
 to run well), so the screening pass only nominates: its ``CONFIRM`` fastest, the choice, the refined choice and
 plain DP are timed again as fresh instances in a second alternated pass, and the ratios are read from that pass
 (``choice_over_best_candidate``: the choice over the fastest of them). The screening pass's own ratios are
-reported beside them (``screening_*``). Prints one JSON object on its last line.
+reported beside them (``screening_*``). Prints one JSON object on its last line (goals: ``benchmarks/README.md``);
+``--quick`` times fewer rounds.
 """
 
 import os
@@ -18,27 +20,55 @@ import os
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import json  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 
+import goals  # noqa: E402
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 
 from openhosti_jax.mesh import MeshConfig, build_mesh  # noqa: E402
 from openhosti_jax.models.examples import EXAMPLES, example_inputs, gpt_step  # noqa: E402
 from openhosti_jax.models.gpt import make_corpus  # noqa: E402
 from openhosti_jax.planner import calibrate, choose_plan  # noqa: E402
-from openhosti_jax.planner.refine import time_plans  # noqa: E402
+from openhosti_jax.planner.refine import sharded_state  # noqa: E402
 from openhosti_jax.planner.search import enumerate_candidates, search  # noqa: E402
 from openhosti_jax.planner.workload import workload  # noqa: E402
+from openhosti_jax.sharding.batch import place_batch  # noqa: E402
 from openhosti_jax.state import memory_bytes  # noqa: E402
-from openhosti_jax.train import create_train_state, spmd  # noqa: E402
+from openhosti_jax.state.jit import jit_step  # noqa: E402
 
-NAME = sys.argv[1] if len(sys.argv) > 1 else "gpt-tiny"
-ROUNDS, STEPS = 40, 4
+NAME = next((a for a in sys.argv[1:] if not a.startswith("-")), "gpt-tiny")
+ROUNDS, STEPS = (8, 2) if goals.QUICK else (24, 4)
 REFINE = 3  # candidates the refined plan compiles and times
 CONFIRM = 3  # fastest candidates of the screening pass timed again in the confirmation pass
 DP = "data=8 zero0"  # plain replicated data parallel
+
+
+def build(plan, work, tx, batch):
+    """(compiled step, its state, its placed batch, compiled bytes): one compile serves memory and timing."""
+    mesh = build_mesh(MeshConfig.from_sizes(dict(plan.mesh_shape)))
+    state, placed = sharded_state(plan, work, tx, mesh), place_batch(batch, mesh, plan.batch_spec)
+    fn, _ = jit_step(gpt_step, plan, mesh, state, placed)
+    with jax.set_mesh(mesh):
+        compiled = fn.lower(state, placed).compile()
+    return compiled, state, placed, memory_bytes(compiled)
+
+
+def timed(runs: dict, rounds: int) -> dict:
+    """Median seconds per step of each run, in alternated rounds (``runs``: name -> [compiled, state, batch])."""
+    times = {k: [] for k in runs}
+    for run in runs.values():  # one warm-up step each
+        run[1], metrics = run[0](run[1], run[2])
+        jax.block_until_ready(metrics)
+    for _ in range(rounds):
+        for k, run in runs.items():
+            for _ in range(STEPS):
+                t = time.perf_counter()
+                run[1], metrics = run[0](run[1], run[2])
+                jax.block_until_ready(metrics)
+                times[k].append(time.perf_counter() - t)
+    return {k: float(np.median(v)) for k, v in times.items()}
 
 
 def main() -> None:
@@ -58,42 +88,40 @@ def main() -> None:
     refine_s = time.perf_counter() - t
 
     work = workload(init_fn, batch)
-    scored = search(work, tx, enumerate_candidates(8), profile)
+    scored = search(work, tx, enumerate_candidates(8, sequence_parallel=profile.native_reduce_scatter), profile)
     tokens = make_corpus(n, cfg.seq_len)
-    ratios = {}
-    for s in scored:
-        mesh = build_mesh(MeshConfig.from_sizes(dict(s.plan.mesh_shape)))
-        state, p = create_train_state(init_fn, tx, mesh, plan=s.plan)
-        compiled = memory_bytes(spmd(gpt_step, mesh=mesh, plan=p).lower(state, tokens).compile())
-        ratios[s.candidate.label] = s.estimate.bytes / compiled if compiled else None
-    by_label = {s.candidate.label: s.plan for s in scored}
-
-    def timed(labels):
-        """The same alternated timing the planner's refine= uses, over ``labels`` and a second instance of plain
-        DP (own step and state): median seconds by label, and slower / faster DP instance (the noise floor)."""
-        plans = [by_label[k] for k in labels] + [by_label[DP]]
-        seconds = time_plans(plans, work, tx, gpt_step, jax.devices(), batch, steps=STEPS, rounds=ROUNDS)
-        med = dict(zip(labels, seconds[:-1], strict=True))
-        return med, max(med[DP], seconds[-1]) / min(med[DP], seconds[-1])
-
-    med, floor = timed(list(by_label))
+    built = {s.candidate.label: build(s.plan, work, tx, tokens) for s in scored}
+    ratios = {s.candidate.label: s.estimate.bytes / built[s.candidate.label][3] for s in scored}
 
     def label(p):
         return next(
-            s.candidate.label
-            for s in scored
-            if s.plan.mesh_shape == p.mesh_shape and s.candidate.zero_stage == p.zero_stage
+            (
+                s.candidate.label
+                for s in scored
+                if s.plan.mesh_shape == p.mesh_shape and s.candidate.zero_stage == p.zero_stage
+            ),
+            None,
         )
 
     winner, refined_winner = label(chosen), label(refined)
+    # screening: every candidate, and plain DP a second time as its own instance (own compile and state)
+    twin = build(next(s.plan for s in scored if s.candidate.label == DP), work, tx, tokens)
+    med = timed({**{k: list(b[:3]) for k, b in built.items()}, "twin": list(twin[:3])}, ROUNDS)
+    floor = max(med[DP], med["twin"]) / min(med[DP], med["twin"])
+    del med["twin"]
     best = min(med, key=med.get)
-    # confirmation: the nominees again, fresh instances, in their own alternated rounds
-    conf, conf_floor = timed(list(dict.fromkeys([*sorted(med, key=med.get)[:CONFIRM], winner, refined_winner, DP])))
+    # confirmation: the nominees again, fresh states, in their own alternated rounds
+    nominees = list(dict.fromkeys([*sorted(med, key=med.get)[:CONFIRM], winner, refined_winner, DP]))
+    fresh = {k: [built[k][0], *build_state(k, scored, work, tx, tokens)] for k in nominees if k is not None}
+    conf = timed({**fresh, "twin": [twin[0], *build_state(DP, scored, work, tx, tokens)]}, ROUNDS)
+    conf_floor = max(conf[DP], conf["twin"]) / min(conf[DP], conf["twin"])
+    del conf["twin"]
     conf_best = min(conf, key=conf.get)
     out = {
         "model": f"{NAME}: {cfg.num_params()} params, batch {n}x{cfg.seq_len}",
         "default_mode": "cost model only (choose_plan(..., refine=0), no compiles)",
         "choice": winner,
+        "choice_is_a_candidate": winner is not None,
         "fastest_measured": conf_best,
         "choice_over_best_candidate": conf[winner] / conf[conf_best],
         "replicated_dp_over_choice": conf[DP] / conf[winner],
@@ -110,11 +138,19 @@ def main() -> None:
         "calibration_seconds": calibration_s,
         "predicted_over_compiled_memory": [ratios[k] for k in med],
         "candidates": list(med),
-        "step_ms": {k: round(v * 1e3, 2) for k, v in med.items()},
-        "confirmed_step_ms": {k: round(v * 1e3, 2) for k, v in conf.items()},
-        "predicted_ms": {s.candidate.label: round(s.estimate.seconds * 1e3, 2) for s in scored},
+        "step_ms": {k: round(v * 1e3, 3) for k, v in med.items()},
+        "confirmed_step_ms": {k: round(v * 1e3, 3) for k, v in conf.items()},
+        "predicted_ms": {s.candidate.label: round(s.estimate.seconds * 1e3, 3) for s in scored},
+        "rounds_steps": [ROUNDS, STEPS],
     }
-    print(json.dumps(out))
+    goals.emit(out, __file__)
+
+
+def build_state(label, scored, work, tx, tokens):
+    """A fresh (state, batch) pair for the candidate ``label``."""
+    plan = next(s.plan for s in scored if s.candidate.label == label)
+    mesh = build_mesh(MeshConfig.from_sizes(dict(plan.mesh_shape)))
+    return [sharded_state(plan, work, tx, mesh), place_batch(tokens, mesh, plan.batch_spec)]
 
 
 if __name__ == "__main__":
