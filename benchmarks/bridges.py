@@ -1,6 +1,6 @@
 """Bridges benchmark: DLPack conversion time 1 MB vs 1 GB (zero-copy: flat), torch DataLoader vs native loader.
 
-Prints one JSON object on its last line (keys in /work/shared/BENCHMARKS.md):
+Prints one JSON object on its last line (keys and goals in benchmarks/README.md):
 - ``zero_copy_1gb_over_1mb``: the larger of the to_torch and to_jax ratios, median time 1 GB / 1 MB (goal < 2);
 - ``torch_loader_over_native``: batches/s from a TorchLoader over a DataLoader that fetches whole batches
   (`PermutationBatchSampler` as sampler, ``batch_size=None``, a dataset indexing with ``index_select``) / from
@@ -19,6 +19,10 @@ Prints one JSON object on its last line (keys in /work/shared/BENCHMARKS.md):
   and AdamW's optax equivalent as one program, ZeRO-3 over the 2 processes' devices) in the same processes, same
   model and batch, timed in the same rounds (reported).
 Runs alternate A and B in one process; loader ratios are medians over rounds of the ratio within a round.
+
+``--quick`` (passed on to the DDP workers): the same 1 MiB and 1 GiB arrays with 5 rounds of 50 conversions, the
+loaders over 8,192 rows with 3 rounds of 10 batches, the DDP steps on 8 x 32 tokens in 2 rounds of 2; the same
+code paths.
 """
 
 import os
@@ -36,6 +40,7 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 
+import goals  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -46,6 +51,12 @@ from openhosti_jax.data import ArrayDataset  # noqa: E402
 from openhosti_jax.sharding import place_batch  # noqa: E402
 
 torch.set_num_threads(1)
+
+# quick: fewer rounds and repetitions, a smaller loader dataset (the same arrays, models and code paths)
+CONVERSION = {"rounds": 5, "reps": 50} if goals.QUICK else {"rounds": 15, "reps": 200}
+LOADER = {"rounds": 3, "batches": 10, "rows": 8192} if goals.QUICK else {"rounds": 15, "batches": 40, "rows": 32768}
+DDP = {"rounds": 2, "steps": 2, "seq": 32} if goals.QUICK else {"rounds": 7, "steps": 10, "seq": 128}
+DDP_TIMEOUT_S = 300 if goals.QUICK else 600
 
 
 class BatchedTensors(Dataset):
@@ -95,8 +106,8 @@ def conversion_ratios(rounds: int = 15, reps: int = 200) -> dict[str, float]:
     }
 
 
-def loader_ratios(rounds: int = 15, batches: int = 40) -> dict[str, float]:
-    n, width, batch = 32768, 256, 256
+def loader_ratios(rounds: int = 15, batches: int = 40, rows: int = 32768) -> dict[str, float]:
+    n, width, batch = rows, 256, 256
     x = np.random.default_rng(0).normal(size=(n, width)).astype(np.float32)
     y = np.arange(n, dtype=np.int32)
     mesh = jax.make_mesh((8,), ("data",))
@@ -183,7 +194,7 @@ class _TinyGPT(torch.nn.Module):
         return self.head(self.block(self.embed(tokens)))
 
 
-def _ddp_worker(rounds: int = 7, steps: int = 10) -> None:
+def _ddp_worker(rounds: int = 7, steps: int = 10, seq: int = 128) -> None:
     """One of 2 processes: times torch DDP and OptimizedDDP steps, alternating, and prints the ratios."""
     import torch.distributed as dist
 
@@ -194,7 +205,7 @@ def _ddp_worker(rounds: int = 7, steps: int = 10) -> None:
     base = _TinyGPT()
     models = {"torch": torch.nn.parallel.DistributedDataParallel(base), "ours": OptimizedDDP(_TinyGPT())}
     opts = {k: torch.optim.AdamW(m.parameters(), 1e-3) for k, m in models.items()}
-    tokens = torch.randint(0, 512, (8, 128))
+    tokens = torch.randint(0, 512, (8, seq))
 
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.cross_entropy(logits.reshape(-1, 512), targets.reshape(-1))
@@ -235,7 +246,7 @@ def ddp_ratio() -> dict[str, float]:
         port = s.getsockname()[1]
     procs = [
         subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__)],
+            [sys.executable, os.path.abspath(__file__), *(["--quick"] if goals.QUICK else [])],
             env={
                 **{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
                 "BRIDGES_DDP_WORKER": "1",
@@ -251,7 +262,12 @@ def ddp_ratio() -> dict[str, float]:
         )
         for r in range(2)
     ]
-    out = [p.communicate(timeout=600)[0] for p in procs]
+    try:
+        out = [p.communicate(timeout=DDP_TIMEOUT_S)[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        raise RuntimeError(f"the DDP workers ran past {DDP_TIMEOUT_S} s") from None
     line = next((x for x in out[0].splitlines() if x.startswith("DDP ")), None)
     if line is None:
         raise RuntimeError("the DDP workers printed no result:\n" + "\n".join(o[-2000:] for o in out))
@@ -259,18 +275,18 @@ def ddp_ratio() -> dict[str, float]:
 
 
 def main() -> None:
-    conv = conversion_ratios()
+    conv = conversion_ratios(**CONVERSION)
     result = {
         "zero_copy_1gb_over_1mb": max(conv["to_torch_1gb_over_1mb"], conv["to_jax_1gb_over_1mb"]),
         **conv,
-        **loader_ratios(),
+        **loader_ratios(**LOADER),
         **ddp_ratio(),
     }
-    print(json.dumps({k: round(v, 4) for k, v in result.items()}))
+    goals.emit({k: round(v, 4) for k, v in result.items()}, __file__)
 
 
 if __name__ == "__main__":
     if os.environ.get("BRIDGES_DDP_WORKER"):
-        _ddp_worker()
+        _ddp_worker(**DDP)
     else:
         main()
