@@ -254,3 +254,36 @@ def test_forward_runs_once_per_step():
         loss = ddp(torch.randn(8, 4)).sum()
         loss.backward(retain_graph=True)
         loss.backward()
+
+
+class WithCounts(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+
+    def forward(self, x):
+        out = self.net(x)
+        return {"out": out, "argmax": out.argmax(-1), "unused": out.sum(0)}
+
+
+@pytest.mark.timeout(300)
+def test_steady_state_steps_make_no_implicit_transfers():
+    """After the programs are compiled, training and evaluation steps (a full batch and a short one, an integer
+    output, an output the loss ignores) move data only by explicit transfers: `jax.transfer_guard("disallow")`."""
+    ddp = OptimizedDDP(WithCounts())
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+
+    def step(rows: int) -> None:
+        opt.zero_grad()
+        ddp(torch.randn(rows, 4))["out"].pow(2).mean().backward()
+        opt.step()
+        ddp.eval()
+        with torch.no_grad():
+            assert ddp(torch.randn(rows, 4))["argmax"].dtype == torch.long
+        ddp.train()
+
+    for rows in (8, 5):
+        step(rows)  # compiles
+    with jax.transfer_guard("disallow"):
+        for rows in (8, 5, 8):
+            step(rows)

@@ -128,5 +128,10 @@ def test_refusals_name_the_optimizer_and_option():
     opt.param_groups[0]["nesterov"] = True
     with pytest.raises(BridgeError, match=r"changed \{'nesterov': True\}"):
         ours.hyperparams()
+    newer = optim.Adam([w], lr=0.1)  # an option a later torch adds, set away from its default: refused by name
+    newer.defaults["lookahead"] = 0
+    newer.param_groups[0]["lookahead"] = 5
+    with pytest.raises(BridgeError, match=r"Adam option\(s\) \['lookahead'\] have no equivalent"):
+        TorchOptimizer(newer, {"w": w})
     with pytest.raises(BridgeError, match="in no optimizer group"):
         TorchOptimizer(optim.SGD([w], lr=0.1), {"w": w, "v": torch.nn.Parameter(torch.ones(1))})

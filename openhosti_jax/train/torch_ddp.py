@@ -491,7 +491,8 @@ class OptimizedDDP(torch.nn.Module):
         if t.ndim == 0 or t.shape[0] % n:
             raise BatchError(
                 f"OptimizedDDP splits dim 0 of each input over this process's {n} devices; found shape "
-                f"{tuple(t.shape)}. Give a batch that is a multiple of {n}"
+                f"{tuple(t.shape)}. Give a batch that is a multiple of {n} (a DataLoader with drop_last=True), or "
+                "train in the drop-in mode (model(x), loss.backward(), optimizer.step()), which takes any batch"
             )
         value = t.detach().cpu().numpy()
         return jax.make_array_from_process_local_data(NamedSharding(self.mesh, self._rows), value)

@@ -40,12 +40,20 @@ jax.tree_util.register_pytree_node(_Static, lambda s: ((), s), lambda s, _: s)
 
 
 def host_value(x: jax.Array) -> np.ndarray:
-    """``x``'s whole value on this process (a writable copy)."""
+    """``x``'s whole value on this process (a writable copy; an explicit transfer, as `jax.transfer_guard` asks)."""
     if x.is_fully_replicated:
-        return np.array(x.addressable_data(0))
+        return np.array(jax.device_get(x.addressable_data(0)))
     if x.is_fully_addressable:
-        return np.array(x)
+        return np.array(jax.device_get(x))
     return np.array(multihost_utils.process_allgather(x, tiled=True))
+
+
+def _put(value: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """The same host ``value`` on every process, placed as ``sharding`` (explicitly: `jax.device_put` on one
+    process)."""
+    if jax.process_count() == 1:
+        return jax.device_put(value, sharding)
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 
 
 def _to_torch(value: np.ndarray) -> torch.Tensor:
@@ -165,18 +173,19 @@ class DropIn:
         return program
 
     def _replicated(self, t: torch.Tensor) -> jax.Array:
-        value = t.detach().cpu().numpy()
-        return jax.make_array_from_callback(value.shape, self.sharding(P()), lambda index: value[index])
+        return _put(t.detach().cpu().numpy(), self.sharding(P()))
 
     def _place(self, t: torch.Tensor, rows: bool, call: _Call) -> jax.Array:
         """An argument on the mesh: batch rows split over the axis (or placed whole when uneven), the rest
         replicated. Each process gives its own rows."""
         value = t.detach().cpu().numpy()
         if rows and call.even:
+            if call.nproc == 1:
+                return jax.device_put(value, self.sharding(P(self.axis)))
             return jax.make_array_from_process_local_data(self.sharding(P(self.axis)), value)
         if rows and call.nproc > 1:  # every process's rows, in process order, on every process
             value = np.asarray(multihost_utils.process_allgather(value, tiled=True))
-        return jax.make_array_from_callback(value.shape, self.sharding(P()), lambda index: value[index])
+        return _put(value, self.sharding(P()))
 
     def _out(self, x: jax.Array, call: _Call) -> np.ndarray:
         """This process's part of an output: its rows of a batch-sized one, the whole of any other."""
@@ -190,14 +199,14 @@ class DropIn:
         """The gradient flowing into output ``x`` as ``x`` is laid out: over processes, rows are joined and the
         gradients of a replicated output summed (the average is taken on the parameters' gradients)."""
         if not jax.numpy.issubdtype(x.dtype, jax.numpy.inexact):
-            return np.zeros(x.shape, jax.dtypes.float0)
+            return jax.device_put(np.zeros(x.shape, jax.dtypes.float0))
         value = np.zeros(x.shape, x.dtype) if g is None else g.detach().cpu().numpy().astype(x.dtype)
         if call.nproc > 1 and call.is_rows(x.shape) and call.even:
             return jax.make_array_from_process_local_data(x.sharding, value)
         if call.nproc > 1:
             every = np.asarray(multihost_utils.process_allgather(value, tiled=call.is_rows(x.shape)))
             value = every if call.is_rows(x.shape) else every.sum(0)
-        return jax.make_array_from_callback(value.shape, x.sharding, lambda index: value[index])
+        return _put(value, x.sharding)
 
 
 class _Run(torch.autograd.Function):
