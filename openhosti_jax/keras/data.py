@@ -10,7 +10,8 @@ replicas in turn, so a step sees the same examples).
 tf.data pipeline Keras is given is read through ``skip(n)``, with ``n`` a TF variable read as each pass over it
 starts; the callback sets ``n`` on resume and zeroes it once the resumed epoch has begun. The pipeline keeps
 reporting its own cardinality (`PositionedDataset`): Keras sizes every epoch by it, so a short first pass must not
-become the epoch length.
+become the epoch length. The skipped batches are the ones a new pass yields first: a pipeline in the same order every
+pass resumes exactly, one that reshuffles each pass resumes at the right count in a new order.
 """
 
 from __future__ import annotations
