@@ -15,7 +15,10 @@ Every run goes through `launch_local` (127.0.0.1, gloo collectives).
   all-reduce). Per size the ratio is the median over rounds; the headline is the size farthest from 1.
   A detail: the default calibration (up to 8 MiB) extrapolating to 32 MiB, what the model does beyond its data.
 
-The last line printed is one JSON object with the keys of BENCHMARKS.md (multihost.py) and details.
+The last line printed is one JSON object with the keys of benchmarks/README.md (multihost.py) and details.
+``--quick`` (passed on to the all-reduce workers): 6 training steps of batch 8 (2 of them compile and warm-up),
+1 round of 3 repetitions for the all-reduce comparison (without the detail of the default ladder extrapolating to
+32 MiB, printed null); the same all-reduce sizes and code paths.
 """
 
 from __future__ import annotations
@@ -25,13 +28,18 @@ import json
 import os
 import sys
 
+import goals
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 MIB = 2**20
 TOP = 32 * MIB  # the gradient bytes the calibration is sized for
 OFF_LADDER = (3 * MIB, 12 * MIB, 24 * MIB)  # measured all-reduce sizes, between calibration points
-STEPS, WARMUP = 14, 4
-ROUNDS = 3  # calibrate / measure rounds of the all-reduce comparison
+STEPS, WARMUP = (6, 2) if goals.QUICK else (14, 4)
+BATCH = ["--batch", "8", "--sequences", "64"] if goals.QUICK else []  # the worker's defaults: 16 of 256
+ROUNDS = 1 if goals.QUICK else 3  # calibrate / measure rounds of the all-reduce comparison
+REPS = 3 if goals.QUICK else 7  # alternated repetitions per calibration and measurement
+TIMEOUT_S = 150 if goals.QUICK else 200  # per launch_local run
 
 
 def allreduce_worker() -> None:
@@ -61,9 +69,10 @@ def allreduce_worker() -> None:
     xs, tiny, top = [array(b) for b in OFF_LADDER], array(4), array(TOP)
     rounds = []
     for _ in range(ROUNDS):
-        profile = calibrate(devices, reps=7, sizes=ladder)
-        short = calibrate(devices, reps=7)  # the default ladder, up to 8 MiB: extrapolates to TOP
-        measured = alternated_medians([*(lambda x=x: f(x) for x in xs), lambda: f(top)], 7, lambda: f(tiny))
+        profile = calibrate(devices, reps=REPS, sizes=ladder)
+        # the default ladder, up to 8 MiB: extrapolates to TOP (a detail; quick mode skips it)
+        short = None if goals.QUICK else calibrate(devices, reps=REPS)
+        measured = alternated_medians([*(lambda x=x: f(x) for x in xs), lambda: f(top)], REPS, lambda: f(tiny))
         rounds.append(
             {
                 "measured_s": measured[:-1],
@@ -71,10 +80,9 @@ def allreduce_worker() -> None:
                 "predicted_s": [
                     profile.launch_seconds + profile.collective_seconds("all_reduce", b, n) for b in OFF_LADDER
                 ],
-                "top_extrapolated_over_measured": (
-                    short.launch_seconds + short.collective_seconds("all_reduce", TOP, n)
-                )
-                / measured[-1],
+                "top_extrapolated_over_measured": None
+                if short is None
+                else (short.launch_seconds + short.collective_seconds("all_reduce", TOP, n)) / measured[-1],
                 "curve": profile.link_curve["all_reduce"][n],
             }
         )
@@ -89,7 +97,7 @@ def _run(cmd: list[str], n: int, devices: int) -> dict[int, dict]:
 
     log = io.StringIO()
     env = {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    rc = launch_local(cmd, n, local_devices=devices, env=env, timeout_s=200, kill_grace_s=3, output=log)
+    rc = launch_local(cmd, n, local_devices=devices, env=env, timeout_s=TIMEOUT_S, kill_grace_s=3, output=log)
     if rc:
         raise SystemExit(f"{cmd} on {n} processes failed with {rc}:\n{log.getvalue()[-3000:]}")
     out = {}
@@ -103,13 +111,14 @@ def _run(cmd: list[str], n: int, devices: int) -> dict[int, dict]:
 def main() -> None:
     import numpy as np
 
-    worker = [sys.executable, os.path.join(ROOT, "examples", "multihost_worker.py"), "--steps", str(STEPS)]
+    worker = [sys.executable, os.path.join(ROOT, "examples", "multihost_worker.py"), "--steps", str(STEPS), *BATCH]
     one = _run(worker, 1, 8)[0]
     two = _run(worker, 2, 4)
     one_s = float(np.median(one["step_times"][WARMUP:]))
     two_s = float(np.median([np.median(r["step_times"][WARMUP:]) for r in two.values()]))
     losses_match = max(abs(a - b) for a, b in zip(one["losses"], two[0]["losses"], strict=True))
-    ar = _run([sys.executable, os.path.abspath(__file__), "--allreduce"], 2, 1)[0]
+    quick = ["--quick"] if goals.QUICK else []
+    ar = _run([sys.executable, os.path.abspath(__file__), "--allreduce", *quick], 2, 1)[0]
     assert ar["psum_value"] == 2.0, ar
     rounds = ar["rounds"]
     per_size = {
@@ -129,16 +138,16 @@ def main() -> None:
         "allreduce_measured_ms_last_round": ms(last["measured_s"]),
         "allreduce_predicted_ms_last_round": ms(last["predicted_s"]),
         "calibrated_curve_last_round": [(int(b), round(t * 1e3, 3)) for b, t in last["curve"]],
-        "allreduce_32MiB_measured_over_predicted_calibrated_to_8MiB": float(
-            np.median([1 / r["top_extrapolated_over_measured"] for r in rounds])
-        ),
+        "allreduce_32MiB_measured_over_predicted_calibrated_to_8MiB": None
+        if goals.QUICK
+        else float(np.median([1 / r["top_extrapolated_over_measured"] for r in rounds])),
         "steps_measured": STEPS - WARMUP,
     }
-    print(json.dumps(result))
+    goals.emit(result, __file__)
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--allreduce"]:
+    if sys.argv[1:2] == ["--allreduce"]:
         allreduce_worker()  # a child of launch_local, which set its devices
     else:
         # 8 CPU devices before jax loads (the children get theirs from launch_local).
