@@ -202,6 +202,11 @@ class Branchy(torch.nn.Module):
         return h
 
 
+class Indexed(torch.nn.Module):
+    def forward(self, x):
+        return x[: int(x.argmax())]  # a shape from a computed value
+
+
 class OnCpu(torch.nn.Module):
     def forward(self, x):
         return x + torch.arange(x.shape[-1], device="cpu")
@@ -210,6 +215,8 @@ class OnCpu(torch.nn.Module):
 def test_what_cannot_be_lowered_is_a_typed_error():
     with pytest.raises(BridgeError, match=r"'Branchy' reads a tensor's value in Python at .*if h.sum\(\) > 0"):
         OptimizedDDP(Branchy())(torch.ones(8, 4))
+    with pytest.raises(BridgeError, match=r"'Indexed' reads a tensor's value in Python at .*int\(x.argmax\(\)\)"):
+        OptimizedDDP(Indexed())(torch.ones(8, 4))
     with pytest.raises(BridgeError, match=r"in module 'OnCpu' lives on torch's CPU device.*device=x.device"):
         OptimizedDDP(OnCpu())(torch.ones(8, 4))
 

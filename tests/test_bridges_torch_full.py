@@ -369,3 +369,26 @@ def test_full_mode_follows_torch_lr_schedulers(schedule):
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
     ddp.state_dict()
     _assert_state_close(ours, reference)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("plan", ["fsdp", "dp"])
+def test_full_mode_takes_a_dataloaders_short_last_batch(plan):
+    """37 images in batches of 8 (the last one 5 rows, fewer than the 8 devices), two epochs: the short batch is
+    split unevenly inside its own program; losses, weights and BatchNorm statistics equal plain torch's."""
+    torch.manual_seed(0)
+    reference = ConvNet()
+    ours = copy.deepcopy(reference)
+    g = torch.Generator().manual_seed(3)
+    data = torch.utils.data.TensorDataset(
+        torch.randn(37, 3, 6, 6, generator=g), torch.randint(0, 5, (37,), generator=g)
+    )
+    loader = torch.utils.data.DataLoader(data, batch_size=8)
+    expected = _torch_steps(reference, torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9), [*loader] * 2)
+    opt = torch.optim.SGD(ours.parameters(), lr=0.1, momentum=0.9)
+    ddp = OptimizedDDP(ours, optimizer=opt, loss_fn=torch.nn.functional.cross_entropy, plan=plan)
+    got = [float(ddp.train_step(x, y)) for _ in range(2) for x, y in loader]
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    ddp.state_dict()
+    _assert_state_close(ours, reference)
+    assert int(ours.bn.num_batches_tracked) == 10

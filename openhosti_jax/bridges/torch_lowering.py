@@ -218,12 +218,17 @@ def _explained(module: Any, call: Callable[[], Any]) -> Any:
     torch.compiler._is_compiling_flag = True  # the trace is one graph, as torch.compile(fullgraph=True) makes
     try:
         return call()
-    except jax.errors.ConcretizationTypeError as e:
+    except (
+        jax.errors.ConcretizationTypeError,
+        jax.errors.TracerIntegerConversionError,
+        jax.errors.TracerArrayConversionError,
+    ) as e:
         where = f" in module {stack[-1]!r}" if stack else ""
         raise BridgeError(
             f"forward(){where} reads a tensor's value in Python at {_user_line(e)} (aten._local_scalar_dense: "
-            "`.item()`, `if tensor:`, `int(tensor)`), which one compiled program cannot do: the value exists only "
-            "when it runs. Keep the choice in tensors (torch.where, masking), or make it from non-tensor arguments"
+            "`.item()`, `if tensor:`, `int(tensor)`, `.numpy()`), which one compiled program cannot do: the value "
+            "exists only when it runs. Keep the choice in tensors (torch.where, masking), or make it from non-tensor "
+            "arguments"
         ) from e
     except OperatorNotFound as e:
         where = f" in module {stack[-1]!r}" if stack else ""

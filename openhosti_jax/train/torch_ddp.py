@@ -20,7 +20,9 @@ Adagrad, RMSprop with their options and groups, as torch steps them; each step r
 betas, ...) from ``optimizer.param_groups``, so a torch LR scheduler stepped in the loop is honoured) and runs
 forward, loss, gradient and update as one program whose parameters and optimizer state the plan shards (ZeRO-3 by
 default). The buffers ride in the train state's ``model_state``: BatchNorm's running statistics are updated as torch
-updates them. ``model.eval()`` / ``model.train()`` select the program (one each). ``microbatch=k`` accumulates the
+updates them. ``model.eval()`` / ``model.train()`` select the program (one each). A batch that does not divide the
+data axis (a DataLoader's short last batch) runs in a program of its own that splits it unevenly (without
+``microbatch=``). ``microbatch=k`` accumulates the
 gradient over k microbatches of the first batch (microbatch i: rows i, i + k, ...; the loss is taken as a mean over
 the rows, as torch's losses are, so the gradient is the mean of the microbatches'; BatchNorm's statistics update once
 per microbatch, as in torch's accumulation loop); ``microbatch="auto"`` picks the largest microbatch whose compiled
@@ -79,7 +81,7 @@ from openhosti_jax.state.init import abstract_train_state
 from openhosti_jax.train.balanced import BalancedStep
 from openhosti_jax.train.create import Strategy, create_train_state
 from openhosti_jax.train.spmd import SpmdStep, spmd
-from openhosti_jax.train.torch_dropin import DropIn, host_value
+from openhosti_jax.train.torch_dropin import DropIn, host_value, put_value, uneven_train_step
 
 
 def _zero_stage(plan: Strategy) -> int | None:
@@ -211,19 +213,29 @@ class OptimizedDDP(torch.nn.Module):
                 "drop-in mode call model(x), loss.backward() and optimizer.step() as with DDP"
             )
         xs = inputs if isinstance(inputs, tuple) else (inputs,)
-        if full["balance"] is not None:  # the global batch on the host: the balancer places each device's rows
-            batch = (tuple(self._global_host(t) for t in xs), self._global_host(targets))
-        else:
-            batch = (tuple(self._split(t) for t in xs), self._split(targets))
+        per_process = self.mesh.shape[self.data_axis] // jax.process_count()
+        uneven = any(t.ndim and t.shape[0] % per_process for t in (*xs, targets))
         if full["state"] is None:
             self._build_full(full)
             if self.checkpoints is not None and self.checkpoints.latest_good_step() is not None:
                 self.restore_checkpoint()
+        step = self._full_step(self.module.training)
+        if full["balance"] is not None:  # the global batch on the host: the balancer places each device's rows
+            batch = (tuple(self._global_host(t) for t in xs), self._global_host(targets))
+        elif uneven and full["microbatch"] in (None, 1):  # a short last batch: placed whole, split unevenly inside
+            whole = NamedSharding(self.mesh, P())
+            batch = jax.tree.map(lambda t: put_value(self._global_host(t), whole), (xs, targets))
+            key = ("uneven", self.module.training)
+            if key not in full["steps"]:
+                full["steps"][key] = uneven_train_step(self._dropin, full["loss"], full["state"])
+            step = full["steps"][key]
+        else:
+            batch = (tuple(self._split(t) for t in xs), self._split(targets))
         hyper = full["optimizer"].hyperparams()  # the rates (momenta, ...) any scheduler set since the last step
         if hyper != full["hyper"]:
             full["state"] = full["state"].replace(opt_state=set_hyperparams(full["state"].opt_state, hyper))
             full["hyper"] = hyper
-        full["state"], metrics = self._full_step(self.module.training)(full["state"], batch)
+        full["state"], metrics = step(full["state"], batch)
         full["optimizer"].optimizer._opt_called = True  # it stepped (in JAX): schedulers check this flag
         full["dirty"] = True
         full["count"] += 1
@@ -492,7 +504,7 @@ class OptimizedDDP(torch.nn.Module):
             raise BatchError(
                 f"OptimizedDDP splits dim 0 of each input over this process's {n} devices; found shape "
                 f"{tuple(t.shape)}. Give a batch that is a multiple of {n} (a DataLoader with drop_last=True), or "
-                "train in the drop-in mode (model(x), loss.backward(), optimizer.step()), which takes any batch"
+                "train without microbatch=, or in the drop-in mode (model(x), loss.backward(), optimizer.step())"
             )
         value = t.detach().cpu().numpy()
         return jax.make_array_from_process_local_data(NamedSharding(self.mesh, self._rows), value)

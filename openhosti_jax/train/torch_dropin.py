@@ -12,6 +12,7 @@ With gradients enabled the program is ``jax.vjp`` of the forward: it returns the
 stay on the devices until ``backward()`` runs them (the forward is not run again); the parameters' gradients land in
 ``param.grad`` (averaged over processes, as DDP's all-reduce leaves them), and those of float inputs that require grad
 in theirs. Under ``torch.no_grad()`` (or with no parameter requiring grad) the program is the forward alone.
+`uneven_train_step` is the full mode's step for such a short batch.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def host_value(x: jax.Array) -> np.ndarray:
     return np.array(multihost_utils.process_allgather(x, tiled=True))
 
 
-def _put(value: np.ndarray, sharding: NamedSharding) -> jax.Array:
+def put_value(value: np.ndarray, sharding: NamedSharding) -> jax.Array:
     """The same host ``value`` on every process, placed as ``sharding`` (explicitly: `jax.device_put` on one
     process)."""
     if jax.process_count() == 1:
@@ -173,7 +174,7 @@ class DropIn:
         return program
 
     def _replicated(self, t: torch.Tensor) -> jax.Array:
-        return _put(t.detach().cpu().numpy(), self.sharding(P()))
+        return put_value(t.detach().cpu().numpy(), self.sharding(P()))
 
     def _place(self, t: torch.Tensor, rows: bool, call: _Call) -> jax.Array:
         """An argument on the mesh: batch rows split over the axis (or placed whole when uneven), the rest
@@ -185,7 +186,7 @@ class DropIn:
             return jax.make_array_from_process_local_data(self.sharding(P(self.axis)), value)
         if rows and call.nproc > 1:  # every process's rows, in process order, on every process
             value = np.asarray(multihost_utils.process_allgather(value, tiled=True))
-        return _put(value, self.sharding(P()))
+        return put_value(value, self.sharding(P()))
 
     def _out(self, x: jax.Array, call: _Call) -> np.ndarray:
         """This process's part of an output: its rows of a batch-sized one, the whole of any other."""
@@ -206,7 +207,27 @@ class DropIn:
         if call.nproc > 1:
             every = np.asarray(multihost_utils.process_allgather(value, tiled=call.is_rows(x.shape)))
             value = every if call.is_rows(x.shape) else every.sum(0)
-        return _put(value, x.sharding)
+        return put_value(value, x.sharding)
+
+
+def uneven_train_step(dropin: DropIn, loss: Any, state: Any) -> Any:
+    """The full mode's step for a batch that does not divide the data axis (a DataLoader's short last batch): the
+    batch placed whole and split unevenly inside, forward, ``loss``, gradient and update in one program that keeps
+    ``state``'s shardings. ``step(state, (inputs, targets)) -> (state, {"loss": ...})``."""
+
+    def step(state: Any, batch: Any) -> Any:
+        inputs, targets = jax.tree.map(lambda x: dropin.constrain(x, P(dropin.axis)) if x.ndim else x, batch)
+        state, key = state.next_rng()
+
+        def objective(p: Any, b: Any) -> Any:
+            out, new = state.apply_fn(p, *inputs, model_state=b, mutable=True, key=key)
+            return loss(out, targets), new
+
+        (value, buffers), grads = jax.value_and_grad(objective, has_aux=True)(state.params, state.model_state)
+        return state.apply_gradients(grads=grads).replace(model_state=buffers), {"loss": value}
+
+    layout = jax.tree.map(lambda x: x.sharding, state)
+    return jax.jit(step, out_shardings=(layout, NamedSharding(dropin.mesh, P())))
 
 
 class _Run(torch.autograd.Function):
