@@ -111,9 +111,9 @@ def case_resume(keras, tf, out, directory):
 
     from openhosti_jax.keras import Strategy
 
-    class Crash(keras.callbacks.Callback):
+    class Crash(keras.callbacks.Callback):  # preempted after the 7th batch trained
         def on_train_batch_end(self, batch, logs=None):
-            if batch == 6:
+            if int(np.asarray(self.model.optimizer.iterations.value)) == 7:
                 raise RuntimeError("preempted")
 
     class Losses(keras.callbacks.Callback):
@@ -126,12 +126,13 @@ def case_resume(keras, tf, out, directory):
         def on_train_batch_end(self, batch, logs=None):
             self.means.append((self.epoch, float(logs["loss"])))
 
-    def fit(callbacks):
+    def fit(callbacks, repeat=False):
         with strategy.scope():
             model = _mlp(keras)
         losses = Losses()
+        data, kw = (_pipeline(tf).repeat(), {"steps_per_epoch": 4, "epochs": 4}) if repeat else (_pipeline(tf), {})
         try:
-            model.fit(_pipeline(tf), epochs=2, verbose=0, callbacks=[losses, *callbacks])
+            model.fit(data, **({"epochs": 2} | kw), verbose=0, callbacks=[losses, *callbacks])
         except RuntimeError:
             pass
         return model, _per_batch(losses.means)
@@ -152,6 +153,14 @@ def case_resume(keras, tf, out, directory):
     cb = strategy.checkpoint(os.path.join(directory, "ckpt"), every_steps=2)
     _, out["after_finished"] = fit([cb])
     out["after_finished_restored"] = cb.restored_step
+    # a repeated pipeline with steps_per_epoch: Keras keeps one iterator across epochs, so the skip counts them all
+    _, out["repeat_straight"] = fit([], repeat=True)
+    cb = strategy.checkpoint(os.path.join(directory, "repeat"), every_steps=2)
+    fit([cb, Crash()], repeat=True)
+    cb.manager.wait()
+    cb = strategy.checkpoint(os.path.join(directory, "repeat"), every_steps=2)
+    _, out["repeat_resumed"] = fit([cb], repeat=True)
+    out["repeat_restored"] = cb.restored_data
 
 
 def case_saves(keras, tf, out, directory):
@@ -282,6 +291,10 @@ def test_resumed_fit_continues_from_its_data_position(tmp_path):
     np.testing.assert_allclose(out["resumed"], straight[6:], atol=1e-4)
     assert out["iterations"] == 20 and out["max_diff"] < 1e-5
     assert out["after_finished_restored"] == 20 and len(out["after_finished"]) == 20
+    # .repeat() with steps_per_epoch=4, 4 epochs: step 6 is epoch 1's 2nd batch, the stream's 7th
+    assert out["repeat_restored"] == {"epoch": 1, "position": 2, "seed": 0}
+    assert len(out["repeat_straight"]) == 16 and len(out["repeat_resumed"]) == 10
+    np.testing.assert_allclose(out["repeat_resumed"], out["repeat_straight"][6:], atol=1e-4)
 
 
 @pytest.mark.slow

@@ -68,6 +68,7 @@ def checkpoint_callback(
             self.epoch, self.offset, self.skip_pending = 0, 0, False
             self.mark = (0, 0)
             self.quiet: Any = None
+            self.next_pass = 0
             """(epoch, batches of it trained) after the last batch or epoch: the data position a save records."""
 
         def _variables(self) -> list[Any]:
@@ -104,12 +105,15 @@ def checkpoint_callback(
                 self.offset = 0
             elif position:
                 steps = self.params.get("steps") or 0
-                self.position.set(epoch * steps + position if self.position.infinite else position)
+                if self.position.infinite:  # one stream: this epoch's rest, then the next pass from epoch + 1
+                    self.position.set(epoch * steps + position, take=steps - position)
+                    self.next_pass = (epoch + 1) * steps
+                else:
+                    self.position.set(position)
                 self.skip_pending = True
-                if not self.position.infinite:  # the resumed epoch ends early, as it should: not a warning
-                    self.quiet = warnings.catch_warnings()
-                    self.quiet.__enter__()
-                    warnings.filterwarnings("ignore", message="Your input ran out of data")
+                self.quiet = warnings.catch_warnings()  # the resumed epoch ends early, as it should: not a warning
+                self.quiet.__enter__()
+                warnings.filterwarnings("ignore", message="Your input ran out of data")
             self.mark = (epoch, self.offset)
             print(f"resumed from step {self.restored_step} at epoch {epoch}, batch {self.offset}", flush=True)
 
@@ -118,8 +122,10 @@ def checkpoint_callback(
                 self.epoch, self.offset = epoch, 0
 
         def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-            if self.skip_pending:  # the resumed epoch's pass has started: later passes read from the start
+            if self.skip_pending:  # the resumed epoch's pass has started: set up the passes after it
                 self.position.disarm()
+                if self.next_pass:
+                    self.position.set(self.next_pass)
                 self.skip_pending = False
             done = self.offset + batch + 1
             self.mark = (self.epoch, done)

@@ -7,8 +7,10 @@ batched per replica and this process's replicas' batches are joined into one (tf
 replicas in turn, so a step sees the same examples).
 
 `DataPosition` skips the batches a checkpoint says were consumed: when a checkpoint callback will resume, the next
-tf.data pipeline Keras is given is read through ``skip(n)``, with ``n`` a TF variable read as each pass over it
-starts; the callback sets ``n`` on resume and zeroes it once the resumed epoch has begun. The pipeline keeps
+tf.data pipeline Keras is given is read through ``skip(n).take(m)``, with ``n`` and ``m`` TF variables read as each
+pass over it starts; the callback sets them on resume and resets them once the resumed epoch has begun. (A repeated
+pipeline with ``steps_per_epoch`` is one stream Keras keeps across epochs: its resumed pass takes the rest of the
+epoch, and the next pass continues the stream where the following epoch starts.) The pipeline keeps
 reporting its own cardinality (`PositionedDataset`): Keras sizes every epoch by it, so a short first pass must not
 become the epoch length. The skipped batches are the ones a new pass yields first: a pipeline in the same order every
 pass resumes exactly, one that reshuffles each pass resumes at the right count in a new order.
@@ -81,6 +83,11 @@ def from_function(fn: Callable[[InputContext], Any], context: InputContext, loca
     return joined
 
 
+ENDLESS = 2**62
+"""The cardinality a positioned endless pipeline reports: finite, so Keras (sizing epochs by ``steps_per_epoch``)
+never learns an epoch length from the resumed pass that ends early, and never reached."""
+
+
 class PositionedDataset:
     """A tf.data pipeline read through a skip: iterates ``skipped``, reports ``source``'s cardinality, and is
     otherwise ``skipped`` (element spec, options)."""
@@ -89,7 +96,8 @@ class PositionedDataset:
         self.source, self.skipped = source, skipped
 
     def cardinality(self) -> Any:
-        return self.source.cardinality()
+        size = int(self.source.cardinality())
+        return ENDLESS if size == -1 else size  # -1 (infinite) would let a short pass set Keras's epoch length
 
     def __iter__(self) -> Any:
         return iter(self.skipped)
@@ -108,6 +116,7 @@ class DataPosition:
         self.infinite = False
         """Whether that pipeline repeats forever (Keras then keeps one iterator across epochs)."""
         self._skip: Any = None
+        self._take: Any = None
 
     def arm(self) -> None:
         """Read the next pipeline Keras is given through a skip (a checkpoint is about to be resumed)."""
@@ -121,20 +130,22 @@ class DataPosition:
         self.armed, self.wrapped = False, True
         self.infinite = int(dataset.cardinality()) == int(tf.data.INFINITE_CARDINALITY)
         self._skip = tf.Variable(0, dtype=tf.int64, trainable=False)
-        skip = self._skip
-        skipped = tf.data.Dataset.from_tensors(tf.constant(0, tf.int64)).flat_map(lambda _: dataset.skip(skip))
+        self._take = tf.Variable(-1, dtype=tf.int64, trainable=False)
+        skip, take = self._skip, self._take
+        start = tf.data.Dataset.from_tensors(tf.constant(0, tf.int64))
+        skipped = start.flat_map(lambda _: dataset.skip(skip).take(take))
         return PositionedDataset(dataset, skipped)
 
-    def set(self, batches: int) -> None:
-        """Skip ``batches`` when the next pass over the wrapped pipeline starts."""
+    def set(self, batches: int, take: int = -1) -> None:
+        """Skip ``batches`` and then read ``take`` (-1: all) when the next pass over the wrapped pipeline starts."""
         if self._skip is not None:
             self._skip.assign(batches)
+            self._take.assign(take)
 
     def disarm(self) -> None:
         """Stop skipping: later passes read the pipeline from its start."""
         self.armed = False
-        if self._skip is not None:
-            self._skip.assign(0)
+        self.set(0)
 
 
 __all__ = ["DataPosition", "InputContext", "PositionedDataset", "check_batched", "from_function"]
