@@ -1,6 +1,6 @@
 """OptimizedDDP against torch's DistributedDataParallel over 2 processes started as torchrun starts them
 (``MASTER_ADDR`` / ``MASTER_PORT`` / ``RANK`` / ``WORLD_SIZE``): the same losses on every rank, the same parameters,
-in the drop-in mode and in the full mode.
+in the drop-in mode and in the full mode, a short last batch included.
 
 Run as a script, this file is one worker.
 """
@@ -34,12 +34,13 @@ def worker() -> None:
     model = TinyGPT()
     ours, full_model = copy.deepcopy(model), copy.deepcopy(model)
     g = torch.Generator().manual_seed(10 + rank)  # each rank its own batches
-    batches = [
-        (torch.randint(0, 64, (4, 12), generator=g), torch.randint(0, 64, (4, 12), generator=g)) for _ in range(5)
+    batches = [  # the last one short, as a DataLoader's: 3 rows on each process's 2 devices
+        (torch.randint(0, 64, (rows, 12), generator=g), torch.randint(0, 64, (rows, 12), generator=g))
+        for rows in (4, 4, 4, 4, 4, 3)
     ]
     make = lambda p: torch.optim.SGD(p, lr=0.5, momentum=0.9)  # noqa: E731
-    torch_losses = _train(torch.nn.parallel.DistributedDataParallel(model), make, batches)
-    our_losses = _train(OptimizedDDP(ours), make, batches)
+    torch_losses = _train(torch.nn.parallel.DistributedDataParallel(model), make, batches, steps=6)
+    our_losses = _train(OptimizedDDP(ours), make, batches, steps=6)
     full = OptimizedDDP(full_model, optimizer=make(full_model.parameters()), loss_fn=_loss)
     full_losses = [float(full.train_step(x, y)) for x, y in batches]  # the loss of the global batch
     full.state_dict()
