@@ -71,19 +71,19 @@ def meets(value: Any, goal: str, values: dict[str, Any] | None = None) -> bool |
         return all(results) and bool(results)
     if goal in ("true", "false"):
         return value is (goal == "true")
-    if isinstance(value, bool) or value is None or not isinstance(value, (int, float)) or math.isnan(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
         return False
     for op in ("<=", ">=", "<", ">"):
         if goal.startswith(op):
             bound = _number(goal[len(op) :], values)
-            return {"<=": value <= bound, ">=": value >= bound, "<": value < bound, ">": value > bound}[op]
+            return bool({"<=": value <= bound, ">=": value >= bound, "<": value < bound, ">": value > bound}[op])
     if "+-" in goal:
         centre, tol = (float(x) for x in goal.split("+-"))
-        return abs(value - centre) <= tol + 1e-12
+        return bool(abs(value - centre) <= tol + 1e-12)
     match = re.fullmatch(r"(-?[\d.]+)\s*-\s*(-?[\d.]+)", goal)
     if match:
-        return float(match[1]) <= value <= float(match[2])
-    return abs(value - _number(goal, values)) <= 1e-9
+        return bool(float(match[1]) <= value <= float(match[2]))
+    return bool(abs(value - _number(goal, values)) <= 1e-9)
 
 
 def check(out: dict[str, Any], script: str, rows: list[Goal] | None = None) -> dict[str, Any]:
