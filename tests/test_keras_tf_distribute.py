@@ -52,9 +52,11 @@ def case_api(keras, tf, out, directory):
 
     from openhosti_jax.errors import BatchError, BridgeError, UnsupportedError
     from openhosti_jax.keras import Strategy
+    from openhosti_jax.mesh import MeshConfig, build_mesh
 
     strategy = Strategy()
     out["replicas"] = strategy.num_replicas_in_sync
+    out["tensor_mesh_replicas"] = Strategy(build_mesh(MeshConfig(data=2, tensor=4))).num_replicas_in_sync
     x, y = _arrays()
     seen_context = {}
 
@@ -80,6 +82,8 @@ def case_api(keras, tf, out, directory):
         "gather": lambda: strategy.gather(1.0, axis=0),
         "extended": lambda: strategy.extended,
         "missing": lambda: strategy.not_an_api,
+        "auto_tensor_mesh": lambda: Strategy(build_mesh(MeshConfig(data=2, tensor=4)), plan="auto"),
+        "unknown_plan": lambda: Strategy(plan="zero2"),
     }.items():
         try:
             call()
@@ -272,6 +276,9 @@ def test_tf_distribute_api_and_unsupported_calls(tmp_path):
         kind, not_implemented, message = errors[name]
         assert kind == "UnsupportedError" and not_implemented and hint in message, (name, errors[name])
     assert errors["missing"][0] == "AttributeError"
+    assert errors["auto_tensor_mesh"][0] == "BridgeError" and "data x fsdp" in errors["auto_tensor_mesh"][2]
+    assert errors["unknown_plan"][0] == "BridgeError" and "'auto'" in errors["unknown_plan"][2]
+    assert out["tensor_mesh_replicas"] == 2  # the batch is split over data only
     assert errors["tape"] is not None and "GradientTape" in errors["tape"][2] and "train_step" in errors["tape"][2]
 
 

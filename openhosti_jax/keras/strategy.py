@@ -77,6 +77,12 @@ class Strategy:
             )
         self._keras = keras_module()
         self.mesh = mesh if mesh is not None else build_mesh(MeshConfig(data=-1))
+        beyond = {a: n for a, n in self.mesh.shape.items() if a not in BATCH_AXES and n > 1}
+        if plan == "auto" and beyond:
+            raise BridgeError(
+                f"Strategy(plan='auto') plans data x fsdp meshes; the given mesh also has {beyond}: pass no mesh (or "
+                "one of data and fsdp only), or use plan='fsdp' / 'dp' with this mesh"
+            )
         self.plan, self.data_axis = plan, data_axis
         self.batch_axes: tuple[str, ...] = (
             tuple(a for a in BATCH_AXES if a in self.mesh.shape) if plan == "auto" else (data_axis,)
