@@ -1,4 +1,4 @@
-"""The README's quick start runs as written, and its first two lines are the install/run and test commands."""
+"""The README's quick start runs as written, and it opens with the install/run command and the two test commands."""
 
 import math
 import pathlib
@@ -9,14 +9,15 @@ import jax
 README = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
 
 
-def test_readme_opens_with_the_two_commands():
+def test_readme_opens_with_the_run_and_test_commands():
     first_block = re.search(r"```bash\n(.*?)```", README, re.S).group(1).strip().splitlines()
     assert first_block == [
         "pip install -e . && python examples/train_gpt.py",
         'pip install -e ".[test,torch,tf]" && python -m pytest -q',
+        "python -m pytest -q -m slow",
     ]
     ci = (pathlib.Path(__file__).resolve().parents[1] / ".ci" / "run").read_text()
-    assert first_block[1] in ci
+    assert first_block[1] in ci and first_block[2] in ci
 
 
 def test_quick_start_runs_and_trains():
