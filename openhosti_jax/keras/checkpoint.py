@@ -103,6 +103,7 @@ def checkpoint_callback(
                     stacklevel=2,
                 )
                 self.offset = 0
+                self.position.disarm()
             elif position:
                 steps = self.params.get("steps") or 0
                 if self.position.infinite:  # one stream: this epoch's rest, then the next pass from epoch + 1
