@@ -19,6 +19,8 @@ from openhosti_jax.bridges.torch_lowering import import_torchax  # noqa: E402
 from openhosti_jax.errors import BridgeError  # noqa: E402
 from openhosti_jax.train.torch_ddp import OptimizedDDP  # noqa: E402
 
+pytestmark = pytest.mark.torch
+
 
 def _assert_state_close(ours, reference, atol=1e-5):
     for (name, a), b in zip(reference.state_dict().items(), ours.state_dict().values(), strict=True):
@@ -161,6 +163,7 @@ def _hf_batches(kind, sizes=(8, 6, 5)):
     return out
 
 
+@pytest.mark.slow  # 35-55 s on two shared CPU cores: two transformers, each traced for three batch sizes
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("kind", ["bert", "gpt2"])
 def test_transformers_fine_tune_as_plain_torch(kind):

@@ -16,6 +16,8 @@ if importlib.util.find_spec("torchax") is None:
 from openhosti_jax.bridges.torch_optim import TorchOptimizer, set_hyperparams  # noqa: E402
 from openhosti_jax.errors import BridgeError  # noqa: E402
 
+pytestmark = pytest.mark.torch
+
 optim = torch.optim
 CASES = {
     "sgd": lambda p: optim.SGD(p, lr=0.1),

@@ -87,7 +87,9 @@ def main(wrap):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("wrap", [plain, optimized], ids=["torch", "optimized_ddp"])
+@pytest.mark.parametrize(
+    "wrap", [plain, pytest.param(optimized, marks=pytest.mark.slow)], ids=["torch", "optimized_ddp"]
+)  # ~30 s
 def test_mnist_example_learns(wrap):
     losses, (test_loss, accuracy) = main(wrap)
     assert sum(losses[-4:]) / 4 < 0.5 * sum(losses[:4]) / 4

@@ -70,6 +70,7 @@ def main(wrap):
     return model.state_dict(), losses, torch.cat(predictions)
 
 
+@pytest.mark.slow  # ~30 s on two shared CPU cores
 @pytest.mark.timeout(900)
 def test_hugging_face_fine_tune_loop_as_plain_torch():
     expected_state, expected, expected_predictions = main(plain)
