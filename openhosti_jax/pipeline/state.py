@@ -153,8 +153,8 @@ def make_pipeline_train_step(
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
         if not guard:
             return update(state, grads), metrics
-        ok = all_finite((loss, grads))  # a select fused into the update: no second copy of the state
-        new = jax.tree.map(lambda n, o: jnp.where(ok, n, o), update(state, grads), state)
+        ok = all_finite((loss, grads))  # a lax.cond, so the donated state is still updated in place
+        new = jax.lax.cond(ok, update, lambda s, g: s, state, grads)
         return new, {**metrics, "skipped_nonfinite": jnp.logical_not(ok).astype(jnp.int32)}
 
     return jax.jit(
