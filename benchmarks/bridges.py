@@ -18,6 +18,10 @@ Prints one JSON object on its last line (keys and goals in benchmarks/README.md)
 - ``full_mode_over_torch_ddp_step``: the same for `OptimizedDDP`'s full mode (``train_step``: forward, loss, gradient
   and AdamW's optax equivalent as one program, ZeRO-3 over the 2 processes' devices) in the same processes, same
   model and batch, timed in the same rounds (reported).
+- ``optimized_ddp_forward_programs_per_step`` (goal 1) and ``optimized_ddp_host_transfers_per_step`` (goal 0): in a
+  worker on 8 devices, steady-state drop-in steps of a small MLP whose forward ticks a host callback each time a
+  program runs it (over the ticks of one forward alone), and the implicit transfers ``jax.transfer_guard("log")``
+  logs during them.
 Runs alternate A and B in one process; loader ratios are medians over rounds of the ratio within a round.
 
 ``--quick`` (passed on to the DDP workers): the same 1 MiB and 1 GiB arrays with 5 rounds of 50 conversions, the
@@ -274,6 +278,82 @@ def ddp_ratio() -> dict[str, float]:
     return json.loads(line[4:])
 
 
+COUNT_STEPS = 4
+"""Steady-state drop-in steps whose forward programs and implicit transfers are counted."""
+
+
+class _Counted(torch.nn.Module):
+    """A small MLP whose forward, each time a compiled program runs it, ticks ``runs`` (a host callback)."""
+
+    def __init__(self, runs: list) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+        self.runs = runs
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torchax.interop import call_jax
+
+        def tick(a):
+            jax.debug.callback(lambda: self.runs.append(1))
+            return a
+
+        return self.net(call_jax(tick, x))
+
+
+def _count_worker() -> None:
+    """Steady-state drop-in steps on 8 devices: forward program runs per step (host-callback ticks over those of
+    one forward alone) and, under ``jax.transfer_guard("log")``, the implicit transfers XLA logs to stderr."""
+    from openhosti_jax.bridges.torch_lowering import import_torchax
+    from openhosti_jax.train.torch_ddp import OptimizedDDP
+
+    import_torchax()
+    runs: list = []
+    ddp = OptimizedDDP(_Counted(runs))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    x = torch.randn(32, 16)
+
+    def step() -> None:
+        opt.zero_grad()
+        ddp(x).pow(2).mean().backward()
+        opt.step()
+
+    for _ in range(2):  # compiles
+        step()
+    jax.effects_barrier()
+    start = len(runs)
+    with torch.no_grad():  # one forward alone: its ticks (one per device that runs it) are one program run's
+        ddp(x)
+    jax.effects_barrier()
+    ticks_per_forward = len(runs) - start
+    before = len(runs)
+    print("COUNT-START", file=sys.stderr, flush=True)
+    with jax.transfer_guard("log"):
+        for _ in range(COUNT_STEPS):
+            step()
+        jax.effects_barrier()
+    print("COUNT-END", file=sys.stderr, flush=True)
+    forwards = (len(runs) - before) / ticks_per_forward
+    print("COUNT " + json.dumps({"forward_programs": forwards / COUNT_STEPS}), flush=True)
+
+
+def dropin_counts() -> dict[str, float]:
+    """`optimized_ddp_forward_programs_per_step` and `optimized_ddp_host_transfers_per_step` (implicit transfers,
+    counted from the transfer guard's log) from a worker process, so its stderr holds only its own log lines."""
+    env = {**os.environ, "BRIDGES_COUNT_WORKER": "1"}
+    done = subprocess.run(
+        [sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True, timeout=DDP_TIMEOUT_S
+    )
+    line = next((x for x in done.stdout.splitlines() if x.startswith("COUNT ")), None)
+    if done.returncode or line is None:
+        raise RuntimeError(f"the count worker exited {done.returncode}:\n{done.stderr[-3000:]}")
+    log = done.stderr.split("COUNT-START", 1)[-1].split("COUNT-END", 1)[0]
+    transfers = sum("transfer:" in x for x in log.splitlines())
+    return {
+        "optimized_ddp_forward_programs_per_step": json.loads(line[6:])["forward_programs"],
+        "optimized_ddp_host_transfers_per_step": transfers / COUNT_STEPS,
+    }
+
+
 def main() -> None:
     conv = conversion_ratios(**CONVERSION)
     result = {
@@ -281,6 +361,7 @@ def main() -> None:
         **conv,
         **loader_ratios(**LOADER),
         **ddp_ratio(),
+        **dropin_counts(),
     }
     goals.emit({k: round(v, 4) for k, v in result.items()}, __file__)
 
@@ -288,5 +369,7 @@ def main() -> None:
 if __name__ == "__main__":
     if os.environ.get("BRIDGES_DDP_WORKER"):
         _ddp_worker(**DDP)
+    elif os.environ.get("BRIDGES_COUNT_WORKER"):
+        _count_worker()
     else:
         main()
