@@ -172,8 +172,8 @@ def largest_fitting() -> dict[str, Any]:
     if goals.QUICK:
         target = 6 * max(dp_depth, 1)
         ok, label = fits_planned(target, budget, batch)
-        planned_depth = target if ok else deepest(lambda n: fits_planned(n, budget, batch), limit=target)[0]
-        label = label if ok else ""
+        fallback = lambda: deepest(lambda n: fits_planned(n, budget, batch), limit=target)  # noqa: E731
+        planned_depth, label = (target, label) if ok else fallback()
     else:
         planned_depth, label = deepest(lambda n: fits_planned(n, budget, batch), start=max(dp_depth, 1))
     return {

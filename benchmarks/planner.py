@@ -45,10 +45,15 @@ CONFIRM = 3  # fastest candidates of the screening pass timed again in the confi
 DP = "data=8 zero0"  # plain replicated data parallel
 
 
+def fresh(plan, work, tx, batch):
+    """(mesh, a zero-initialised state, the placed batch) for ``plan``."""
+    mesh = build_mesh(MeshConfig.from_sizes(dict(plan.mesh_shape)))
+    return mesh, sharded_state(plan, work, tx, mesh), place_batch(batch, mesh, plan.batch_spec)
+
+
 def build(plan, work, tx, batch):
     """(compiled step, its state, its placed batch, compiled bytes): one compile serves memory and timing."""
-    mesh = build_mesh(MeshConfig.from_sizes(dict(plan.mesh_shape)))
-    state, placed = sharded_state(plan, work, tx, mesh), place_batch(batch, mesh, plan.batch_spec)
+    mesh, state, placed = fresh(plan, work, tx, batch)
     fn, _ = jit_step(gpt_step, plan, mesh, state, placed)
     with jax.set_mesh(mesh):
         compiled = fn.lower(state, placed).compile()
@@ -149,8 +154,7 @@ def main() -> None:
 def build_state(label, scored, work, tx, tokens):
     """A fresh (state, batch) pair for the candidate ``label``."""
     plan = next(s.plan for s in scored if s.candidate.label == label)
-    mesh = build_mesh(MeshConfig.from_sizes(dict(plan.mesh_shape)))
-    return [sharded_state(plan, work, tx, mesh), place_batch(tokens, mesh, plan.batch_spec)]
+    return list(fresh(plan, work, tx, tokens)[1:])
 
 
 if __name__ == "__main__":

@@ -138,6 +138,12 @@ def enumerate_candidates(
     return out
 
 
+def _family(c: Candidate) -> tuple:
+    """What a candidate shares with its remat and microbatch variants: mesh, ZeRO stage and axes, precision,
+    interleaving, sequence split (the variants' specs are made once; a compiled excess holds for all of them)."""
+    return (tuple(c.mesh_shape.items()), c.zero_stage, c.zero_axes, c.precision, c.virtual, c.sequence_parallel)
+
+
 def score(
     work: Workload,
     tx: Optimizer,
@@ -158,14 +164,7 @@ def score(
         if sizes["stage"] == 1 or candidate.microbatches > 1
         else pipeline_microbatches(work, candidate)
     )
-    key = (
-        tuple(sizes.items()),
-        candidate.zero_stage,
-        candidate.zero_axes,
-        candidate.precision,
-        candidate.virtual,
-        candidate.sequence_parallel,
-    )
+    key = _family(candidate)
     if cache is not None and key in cache:
         plan, base, sharded, tx = cache[key]
         plan = dataclasses.replace(plan, remat=candidate.remat, num_microbatches=microbatches)
@@ -436,12 +435,6 @@ def variants_of(
     return expand
 
 
-def _family(s: Scored) -> tuple:
-    """What a candidate's policy variants share: mesh, ZeRO stage and axes, precision, sequence split."""
-    c = s.candidate
-    return (tuple(c.mesh_shape.items()), c.zero_stage, c.zero_axes, c.precision, c.sequence_parallel)
-
-
 def first_that_compiles_within(
     ranked: Sequence[Scored],
     compiled_bytes: Callable[[ShardingPlan], int | None],
@@ -468,7 +461,7 @@ def first_that_compiles_within(
     seen = {(s.candidate.label, s.candidate.zero_axes) for s in ranked}
     while queue and len(over) < VERIFY_TRIES:
         s = queue.pop(0)
-        family = _family(s)
+        family = _family(s.candidate)
         if budget is not None and family in excess and s.estimate.bytes + excess[family] > budget:
             continue  # its family compiled over the prediction by more than this one's headroom
         if s.plan.pipeline_stages > 1:

@@ -219,7 +219,10 @@ class Workload:
         key = (param_dims, t, sequence)
         if key not in self._split_cache:
             in_dims = list(param_dims) + [None] * (len(self.jaxpr.invars) - len(param_dims))
-            dims, split_flops, reshard, cut, whole = propagate(self.jaxpr, in_dims, t)
+            # one propagation serves the split with and without the sequence split
+            dims, split_flops, reshard, cut, whole = self.memo(
+                ("propagate", param_dims, t), lambda: propagate(self.jaxpr, in_dims, t)
+            )
             saved = _saved(self.residuals, self.outputs)
             act = sum(
                 leaf_bytes(v) / (t if dims.get(v) is not None or (sequence and v not in whole) else 1) for v in saved
