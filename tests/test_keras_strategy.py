@@ -5,12 +5,10 @@ Keras fixes its backend at its first import, so each case runs in a fresh proces
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from _keras_subprocess import run_case
 
 
 def _model(keras):
@@ -72,19 +70,7 @@ def worker(case: str, directory: str) -> None:
 
 
 def _run(case: str, tmp_path) -> dict:
-    env = {
-        **os.environ,
-        "KERAS_BACKEND": "jax",
-        "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-        "TF_CPP_MIN_LOG_LEVEL": "3",
-        "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-    }
-    cmd = [sys.executable, os.path.abspath(__file__), case, str(tmp_path / case)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
-    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-    assert line is not None, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return json.loads(line[7:])
+    return run_case(__file__, case, tmp_path, timeout=400)
 
 
 @pytest.mark.slow
