@@ -146,3 +146,49 @@ def test_calibration_prices_a_small_group_on_its_own_curve():
     as_if_all = p.launch_seconds + k * p.link_curve["all_reduce"][n][0][1]
     assert pairs < as_if_all
     assert abs(pairs - measured) < abs(as_if_all - measured), (measured, pairs, as_if_all)
+
+
+def test_a_measured_profile_is_read_back_from_disk_by_a_later_run(tmp_path, monkeypatch):
+    """The second plan of a machine reads the first one's calibration instead of measuring again."""
+    import importlib
+
+    cal = importlib.import_module("openhosti_jax.planner.calibrate")  # the module (the package exports the function)
+    monkeypatch.setenv("OPENHOSTI_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("OPENHOSTI_RECALIBRATE", raising=False)
+    measured = calibrate(jax.devices(), reps=1, sizes=(2**14, 2**16))
+    runs = []
+
+    def counted(devices, *, sizes):
+        runs.append(len(devices))
+        return measured
+
+    monkeypatch.setattr(cal, "calibrate", counted)
+    cal._calibrated.cache_clear()
+    first = cal.device_profile(jax.devices())
+    assert runs == [8] and first == measured
+    assert len(list((tmp_path / "profiles").glob("*.json"))) == 1
+    cal._calibrated.cache_clear()  # a new process: nothing in memory
+    assert cal.device_profile(jax.devices()) == measured and runs == [8]  # read, exactly equal, not measured
+    cal._calibrated.cache_clear()
+    cal.device_profile(jax.devices(), recalibrate=True)
+    cal._calibrated.cache_clear()
+    monkeypatch.setenv("OPENHOSTI_RECALIBRATE", "1")
+    cal.device_profile(jax.devices())
+    assert runs == [8, 8, 8]
+    cal._calibrated.cache_clear()
+
+
+def test_a_damaged_or_foreign_profile_file_is_measured_again(tmp_path):
+    from openhosti_jax.planner import profile_cache
+
+    key = profile_cache.profile_key(jax.devices(), CALIBRATION_SIZES)
+    assert key != profile_cache.profile_key(jax.devices()[:4], CALIBRATION_SIZES)
+    assert key != profile_cache.profile_key(jax.devices(), CALIBRATION_SIZES[:-1])
+    path = profile_cache.store(PROFILES["H100"], key, tmp_path)
+    assert profile_cache.load(key, tmp_path) == PROFILES["H100"]
+    text = path.read_text()
+    path.write_text(text[: len(text) // 2])  # a torn write
+    assert profile_cache.load(key, tmp_path) is None
+    path.write_text(text.replace(key, "another-key"))  # a file copied from another machine's key
+    assert profile_cache.load(key, tmp_path) is None
+    assert list(path.parent.glob("*.tmp")) == []

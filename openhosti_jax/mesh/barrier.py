@@ -71,6 +71,17 @@ def barrier(name: str, *, timeout_s: float = 300.0) -> None:
     _gather("barrier", name, "1", timeout_s)
 
 
+def gathered(name: str, value: str, *, timeout_s: float = 300.0) -> list[str]:
+    """Every process's ``value`` in process order (``[value]`` on a single process), for choices that need them all.
+
+    Example:
+        >>> gathered("cached-profile", "abc")
+        ['abc']
+    """
+    values = _gather("gathered", name, value, timeout_s)
+    return [value] if values is None else values
+
+
 def agree(name: str, value: str, *, timeout_s: float = 300.0) -> str:
     """Check that every process passes the same ``value`` (a plan, a config digest); return it.
 

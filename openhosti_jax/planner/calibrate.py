@@ -28,6 +28,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from openhosti_jax.errors import PlanningError
+from openhosti_jax.mesh.barrier import gathered
+from openhosti_jax.planner import profile_cache
 from openhosti_jax.planner.profiles import COLLECTIVES, KIND_ALIASES, PROFILES, DeviceProfile, bus_bytes
 
 MEMORY_SIZES: tuple[int, ...] = (2**19, 2**21, 2**23, 2**25)
@@ -277,9 +279,20 @@ def _stream(length: int) -> Callable[[jax.Array, jax.Array], jax.Array]:
 
 
 @functools.cache
-def _calibrated(device_ids: tuple[int, ...], sizes: tuple[int, ...]) -> DeviceProfile:
+def _calibrated(device_ids: tuple[int, ...], sizes: tuple[int, ...], recalibrate: bool) -> DeviceProfile:
+    """The measured profile of these devices: from this machine's cache (`openhosti_jax.planner.profile_cache`)
+    where every process holds the same one, else calibrated now on all processes and stored."""
     by_id = {d.id: d for d in jax.devices()}
-    return calibrate([by_id[i] for i in device_ids], sizes=sizes)
+    devices = [by_id[i] for i in device_ids]
+    key = profile_cache.profile_key(devices, sizes)
+    cached = None if recalibrate or profile_cache.recalibrate_requested() else profile_cache.load(key)
+    digest = profile_cache.digest(cached) if cached is not None else ""
+    held = gathered(f"profile-{key}", digest)  # a calibration is collective: measure on all or on none
+    if cached is not None and len(set(held)) == 1:
+        return cached
+    profile = calibrate(devices, sizes=sizes)
+    profile_cache.store(profile, key)
+    return profile
 
 
 def device_profile(
@@ -287,10 +300,13 @@ def device_profile(
     override: DeviceProfile | str | None = None,
     *,
     max_bytes: int | None = None,
+    recalibrate: bool = False,
 ) -> DeviceProfile:
     """The profile for ``devices``: ``override`` (a profile or a `PROFILES` key), the spec sheet for a known
-    accelerator kind, else a (cached) run-time calibration up to ``max_bytes`` per device (`calibration_sizes`;
-    pass the largest collective the model will issue, e.g. its gradient bytes)."""
+    accelerator kind, else a run-time calibration up to ``max_bytes`` per device (`calibration_sizes`; pass the
+    largest collective the model will issue, e.g. its gradient bytes). A calibration is kept in memory and on disk
+    per machine and backend (`openhosti_jax.planner.profile_cache`): a later run reads it instead of measuring,
+    unless ``recalibrate`` (or ``OPENHOSTI_RECALIBRATE=1``)."""
     if isinstance(override, DeviceProfile):
         return override
     if isinstance(override, str):
@@ -304,4 +320,4 @@ def device_profile(
     for alias, name in KIND_ALIASES.items():
         if alias in kind:
             return PROFILES[name]
-    return _calibrated(tuple(d.id for d in devices), calibration_sizes(max_bytes))
+    return _calibrated(tuple(d.id for d in devices), calibration_sizes(max_bytes), recalibrate)
