@@ -328,7 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument("--steps", type=int, default=50, help="optimizer steps (default 50)")
     t.add_argument("--batch", type=int, default=32, help="global batch in sequences (default 32)")
-    t.add_argument("--plan", default="fsdp", help="fsdp | dp | zero1 | zero2 | auto | 0-3 (default fsdp)")
+    t.add_argument("--plan", default="auto", help="auto (default: planned) | fsdp | dp | zero1 | zero2 | 0-3")
     t.add_argument("--run-dir", help="write metrics.jsonl, plan.txt, plan.json (and checkpoint times) here")
     t.add_argument("--metrics", help="JSONL metrics path (default RUN_DIR/metrics.jsonl)")
     t.add_argument("--checkpoint-dir", help="save checkpoints here and resume from the latest one")

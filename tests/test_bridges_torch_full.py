@@ -267,6 +267,8 @@ def test_full_mode_options_are_checked():
     model = ConvNet()
     with pytest.raises(BridgeError, match="belong to the full mode"):
         OptimizedDDP(model, microbatch=2)
+    with pytest.raises(BridgeError, match=r"\['plan'\] belong to the full mode"):  # DDP's weights are torch's
+        OptimizedDDP(model, plan="fsdp")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(BridgeError, match="pass checkpoint_dir= too"):
         OptimizedDDP(model, optimizer=opt, loss_fn=torch.nn.functional.cross_entropy, every_steps=2)

@@ -40,7 +40,7 @@ def worker(case: str, directory: str) -> None:
         model = _model(keras)
         model.fit(_data(tf, 0, 5), epochs=1, verbose=0)
     elif case == "outside":
-        strategy = Strategy()
+        strategy = Strategy(plan="fsdp")
         model = _model(keras)  # before the scope
         try:
             model.fit(_data(tf, 0, 1), epochs=1, verbose=0, callbacks=[strategy.checkpoint(directory)])
@@ -49,7 +49,7 @@ def worker(case: str, directory: str) -> None:
         print("RESULT " + json.dumps(out), flush=True)
         return
     else:
-        strategy = Strategy()
+        strategy = Strategy(plan="fsdp")
         with strategy.scope():
             model = _model(keras)
         kernel = model.layers[0].kernel.value

@@ -9,6 +9,7 @@ import json
 import os
 import sys
 import time
+import warnings
 
 import pytest
 from _keras_subprocess import run_case
@@ -213,9 +214,9 @@ def case_auto(keras, tf, out, directory):
         }
 
     class Lazy(keras.Model):  # subclassed, built at its first call: inside fit, after the scope closed
-        def __init__(self):
+        def __init__(self, width=10):
             super().__init__()
-            self.dense = keras.layers.Dense(10)
+            self.dense = keras.layers.Dense(width)
 
         def call(self, inputs):
             return self.dense(inputs)
@@ -228,6 +229,32 @@ def case_auto(keras, tf, out, directory):
         out["lazy"] = None
     except BridgeError as e:
         out["lazy"] = str(e)
+
+    # naming no plan: the model built in the scope is planned; a lazily built one takes the "fsdp" layouts, said
+    strategy = Strategy(device_profile="H100")
+    with strategy.scope():
+        model = _mlp(keras, hidden=4096)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
+    out["default"] = {
+        "planned": strategy.sharding_plan is not None and strategy.plan_report is not None,
+        "zero": strategy.sharding_plan.zero_stage,
+        "max_diff": max(
+            float(np.abs(a - b).max()) for a, b in zip(single.get_weights(), model.get_weights(), strict=True)
+        ),
+    }
+    strategy = Strategy(device_profile="H100")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with strategy.scope():
+            lazy = Lazy(4096)
+            lazy.compile("adam", keras.losses.SparseCategoricalCrossentropy(True))
+        history = lazy.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
+    out["default_lazy"] = {
+        "fallback": strategy.fallback,
+        "warned": any("'fsdp' layouts" in str(w.message) for w in caught),
+        "kernel_local": list(lazy.dense.kernel.value.addressable_shards[0].data.shape),
+        "losses": [float(v) for v in history.history["loss"]],
+    }
 
 
 def _run(case: str, tmp_path) -> dict:
@@ -311,6 +338,11 @@ def test_auto_plans_through_the_planner(tmp_path):
     assert free["zero"] == 0 and free["kernel_local"] == [32, 4096], free
     assert tight["max_diff"] < 1e-5 and free["max_diff"] < 1e-5
     assert out["lazy"] is not None and "none were: build the model there" in out["lazy"]
+    default, lazy = out["default"], out["default_lazy"]
+    assert default["planned"] and default["zero"] == free["zero"] and default["max_diff"] < 1e-5
+    assert lazy["warned"] and "built lazily" in lazy["fallback"]
+    assert lazy["kernel_local"] in ([32 // 8, 4096], [32, 4096 // 8])  # the fsdp rule: split over the 8 devices
+    assert lazy["losses"][1] < lazy["losses"][0]
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from openhosti_jax import MeshConfig, balanced_step, build_mesh, spmd
+from openhosti_jax import MeshConfig, balanced_step, build_mesh
 from openhosti_jax.balance import Throttle
 from openhosti_jax.errors import BatchError, ShardingError, StateError
 from openhosti_jax.models.gpt_job import GPTJob, build_job, gpt_loss_fn
@@ -44,8 +44,6 @@ def test_balance_needs_a_plan_and_divisible_batches():
     loss_fn = gpt_loss_fn(state.apply_fn, state.model_state)
     with pytest.raises(StateError, match="ShardingPlan"):
         balanced_step(loss_fn, mesh=mesh, plan="dp")
-    with pytest.raises(StateError, match="openhosti_jax.balanced_step"):  # a loss is not a train step
-        spmd(loss_fn, mesh=mesh, plan=plan, balance=True)
     fsdp_mesh = build_mesh(MeshConfig(data=1, fsdp=4), devices=jax.devices()[:4])
     _, fsdp_plan, _, _ = build_job(GPTJob(**{**JOB.__dict__, "plan": "fsdp"}), fsdp_mesh)
     with pytest.raises(ShardingError, match="use plan='dp', 'zero1' or 'zero2'"):

@@ -116,3 +116,42 @@ def test_gpt_job_auto_plans_mesh_and_stage_verifies_and_trains_like_dp():
         auto.append(float(m["loss"]))
     dp, _ = _train("dp", build_mesh(MeshConfig(data=8)), 3)
     np.testing.assert_allclose(auto, dp, rtol=1e-5)
+
+
+def test_naming_no_plan_plans_automatically_and_matches_plain_jit():
+    """The doors' default: create_train_state and @spmd with no plan run the planner (a ranked candidate list,
+    the same decision as plan="auto"), and the trained result is plain jax.jit's on one device."""
+    mesh = build_mesh(MeshConfig(data=-1))
+    key = jax.random.key(0)
+    init = lambda r: {"w1": jax.random.normal(r, (32, 64)) * 0.1, "w2": jax.random.normal(key, (64, 4)) * 0.1}
+    rng = np.random.default_rng(0)
+    batches = [{"x": rng.normal(size=(16, 32)).astype("f4"), "y": rng.normal(size=(16, 4)).astype("f4")}] * 3
+
+    def train_step(state, batch):
+        def loss(p):
+            return jnp.mean((jnp.tanh(batch["x"] @ p["w1"]) @ p["w2"] - batch["y"]) ** 2)
+
+        value, grads = jax.value_and_grad(loss)(state.params)
+        return state.apply_gradients(grads=grads), {"loss": value}
+
+    def run(step, state):
+        losses = []
+        for b in batches:
+            state, m = step(state, b)
+            losses.append(float(m["loss"]))
+        return losses, jax.device_get(state.params)
+
+    state, created = create_train_state(init, optax.adam(1e-2), mesh)
+    step = spmd(train_step, mesh=mesh)
+    ours, params = run(step, state)
+    assert len(step.report.candidates) >= 4 and step.report.predicted_seconds is not None  # the planner ran
+    named_state, _ = create_train_state(init, optax.adam(1e-2), mesh, plan="auto")
+    named = spmd(train_step, mesh=mesh, plan="auto")
+    run(named, named_state)
+    assert step.plan.decision() == named.plan.decision()
+    one = build_mesh(MeshConfig(data=1), devices=jax.devices()[:1])
+    ref_state, _ = create_train_state(init, optax.adam(1e-2), one, plan="dp")
+    ref, ref_params = run(jax.jit(train_step), ref_state)
+    np.testing.assert_allclose(ours, ref, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -59,25 +60,36 @@ class Strategy:
 
     ``plan="auto"`` plans when the outermost scope closes, from the variables made inside it, within
     ``memory_budget`` bytes per device and on ``device_profile`` (the planner's defaults when None).
+    Naming no plan plans automatically as well, where it can: on a mesh of ``data`` / ``fsdp`` axes only, and for a
+    model built inside the scope. A model Keras builds lazily, outside the scope (at its first ``fit``), or a mesh
+    with other axes takes the ``"fsdp"`` layouts instead, and `plan_report` says so.
     """
 
     def __init__(
         self,
         mesh: jax.sharding.Mesh | None = None,
-        plan: str = "fsdp",
+        plan: str | None = None,
         data_axis: str = "data",
         *,
         memory_budget: int | None = None,
         device_profile: Any = None,
     ) -> None:
+        self._keras = keras_module()
+        self.mesh = mesh if mesh is not None else build_mesh(MeshConfig(data=-1))
+        beyond = {a: n for a, n in self.mesh.shape.items() if a not in BATCH_AXES and n > 1}
+        self._named = plan is not None
+        """Whether the user named the plan (an unnamed one falls back to "fsdp" where "auto" cannot plan)."""
+        self.fallback: str | None = None
+        """Why an unnamed plan took the ``"fsdp"`` layouts instead of planning (None: it did not)."""
+        if plan is None and beyond:
+            self.fallback = f"Strategy(): the mesh has {beyond}, which the planner's Keras layouts do not cover: 'fsdp'"
+        if plan is None:
+            plan = "fsdp" if beyond else "auto"
         if plan not in ("fsdp", "dp", "auto"):
             raise BridgeError(
                 f"Strategy(plan={plan!r}): expected 'fsdp' (parameters sharded), 'dp' (replicated) or 'auto' (the "
                 "planner chooses)"
             )
-        self._keras = keras_module()
-        self.mesh = mesh if mesh is not None else build_mesh(MeshConfig(data=-1))
-        beyond = {a: n for a, n in self.mesh.shape.items() if a not in BATCH_AXES and n > 1}
         if plan == "auto" and beyond:
             raise BridgeError(
                 f"Strategy(plan='auto') plans data x fsdp meshes; the given mesh also has {beyond}: pass no mesh (or "
@@ -127,6 +139,9 @@ class Strategy:
             self._made.append(weakref.ref(variable))
             self._note_optimizer()
             return (None,) * len(shape)
+        if self.sharding_plan is None and variable.trainable and not self._named:
+            self._fall_back(f"variable {variable.path!r} was made outside strategy.scope() (a model built lazily)")
+            return self.variable_axes(shape)
         if self.sharding_plan is None and variable.trainable:
             raise BridgeError(
                 f"plan='auto': variable {variable.path!r} was made outside strategy.scope() before any plan: the "
@@ -156,12 +171,24 @@ class Strategy:
         finally:
             self._depth -= 1
         if self.plan == "auto" and not self._depth:
+            if not self._trained_in_scope and not self._named:
+                return  # nothing to plan yet: a model built lazily later takes the "fsdp" layouts (_fall_back)
             if not self._trained_in_scope:
                 raise BridgeError(
                     "plan='auto' plans the trainable variables made inside strategy.scope() and none were: build "
                     "the model there (keras.Input(...) or model.build(input_shape)), or use plan='fsdp' or 'dp'"
                 )
             self._plan_made_variables()
+
+    def _fall_back(self, why: str) -> None:
+        """Take the ``"fsdp"`` layouts from now on: the default plan could not be automatic (``why``)."""
+        self.plan, self.batch_axes = "fsdp", (self.data_axis,)
+        self.plan_report = None
+        self.fallback = (
+            f"Strategy(): {why}, so the planner could not see the model; it takes the 'fsdp' layouts. Build the "
+            "model inside strategy.scope() (keras.Input(...) or model.build(input_shape)) to have it planned"
+        )
+        warnings.warn(self.fallback, stacklevel=4)
 
     def _plan_made_variables(self) -> None:
         """Plan the trainable variables made in the scope and move every variable made there to the plan."""

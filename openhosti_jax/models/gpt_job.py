@@ -50,7 +50,9 @@ class GPTJob:
     """Adam learning rate."""
     plan: str | int = "fsdp"
     """Sharding strategy: "fsdp", "dp", "zero1", "zero2", a ZeRO stage, or "auto": the planner chooses the mesh
-    shape and ZeRO stage (`openhosti_jax.choose_plan`, the winner AOT-compiled) and ``mesh`` is not used."""
+    shape and ZeRO stage (`openhosti_jax.choose_plan`, the winner AOT-compiled) and ``mesh`` is not used. The
+    demo's front ends (``openhosti train``, ``examples/train_gpt.py``) pass "auto" unless told otherwise; this
+    field's default is the fixed layout the tests of one mesh build on."""
     mesh: MeshConfig = dataclasses.field(default_factory=lambda: MeshConfig(data=1, fsdp=-1))
     """Mesh axis sizes (for a named strategy)."""
     seed: int = 0

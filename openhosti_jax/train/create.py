@@ -69,7 +69,7 @@ def create_train_state(
     tx: optax.GradientTransformation,
     mesh: Mesh,
     *,
-    plan: Strategy = "fsdp",
+    plan: Strategy = "auto",
     apply_fn: ApplyFn | None = None,
     seed: int | jax.Array = 0,
     sample_batch: Any = None,
@@ -77,7 +77,9 @@ def create_train_state(
 ) -> tuple[Any, ShardingPlan]:
     """Initialise parameters and optimizer state directly into their shards; return (state, plan).
 
-    ``seed`` seeds both the init key and the state's ``rng`` (used for dropout etc.). With ``plan="auto"`` the
+    ``plan`` defaults to ``"auto"``: the planner chooses the ZeRO stage on ``mesh`` from the abstract parameters
+    (and the forward on ``sample_batch``, with ``apply_fn``); a strategy name or a plan fixes it.
+    ``seed`` seeds both the init key and the state's ``rng`` (used for dropout etc.). The
     planner's reasons are not returned: call `openhosti_jax.planner.plan_on_mesh` for the (plan, report).
     A pipelined plan (``pipeline_stages`` > 1) gives a stage-local `openhosti_jax.pipeline.PipelineState`, cut
     from the model's forward pass on ``sample_batch``; train it with `openhosti_jax.pipeline_step`.

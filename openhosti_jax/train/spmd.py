@@ -155,7 +155,7 @@ class SpmdStep:
         if self.mesh is None:
             self.mesh = build_mesh()
         if self.plan is None or self.report is None:
-            strategy = self.plan or self._strategy or "fsdp"
+            strategy = self.plan or self._strategy or "auto"
             shapes = abstract(state)
             kw = self._auto_plan_kw(state, shapes, batch) if strategy == "auto" and batch is not None else self._plan_kw
             params = self.layout.params(shapes)
@@ -297,7 +297,6 @@ def spmd(
     donate: bool = True,
     microbatch: int | str | None = None,
     memory_budget: int | None = None,
-    balance: bool = False,
     params: str | None = None,
     opt_state: str | None = None,
     skip_nonfinite: bool = True,
@@ -311,11 +310,13 @@ def spmd(
     (``step(params, opt_state, batch) -> (params, opt_state, loss)``), PRNG keys, counters, and static arguments
     (``static_argnums`` / ``static_argnames``, as ``jax.jit`` takes them).
 
-    ``plan`` is a `ShardingPlan`, a strategy (``"fsdp"`` default, ``"dp"``, ``"zero1"``, ``"zero2"``,
-    ``"auto"``) or a ZeRO stage; ``mesh`` defaults to all devices on the ``data`` axis. The state is any pytree;
-    ``params`` / ``opt_state`` (dotted paths such as ``"0"`` or ``"model.params"``; for a step of another signature,
-    from the argument's position or keyword: ``"0"``, ``"1.opt_state"``) say where its parameters and optimizer
-    state are when the automatic search (`openhosti_jax.state.layout.find_layout`) cannot tell.
+    ``plan`` is a `ShardingPlan`, a strategy (``"fsdp"``, ``"dp"``, ``"zero1"``, ``"zero2"``) or a ZeRO stage;
+    naming none plans automatically (``"auto"``: the planner prices every candidate from the first call's batch and
+    this step, AOT-compiles the winner, and takes the device calibration from this machine's cache after the first
+    run, `openhosti_jax.planner.profile_cache`). ``mesh`` defaults to all devices on the ``data`` axis. The state
+    is any pytree; ``params`` / ``opt_state`` (dotted paths such as ``"0"`` or ``"model.params"``; for a step of
+    another signature, from the argument's position or keyword: ``"0"``, ``"1.opt_state"``) say where its
+    parameters and optimizer state are when the automatic search (`openhosti_jax.state.layout.find_layout`) cannot tell.
     ``microbatch`` is the number of gradient-accumulation steps, or ``"auto"``: the largest per-device microbatch
     whose compiled peak fits ``memory_budget`` (default: the device's limit), found by AOT compiles. Steps built with
     `openhosti_jax.microbatch.make_train_step` accumulate over it; an out-of-memory step halves the microbatch and
@@ -323,12 +324,6 @@ def spmd(
     ``skip_nonfinite`` (default on) leaves the state unchanged after a step whose loss, ``grad_norm`` or new
     parameters are not finite and reports ``skipped_nonfinite`` in the metrics (`openhosti_jax.state.guard`).
     """
-    if balance:
-        raise StateError(
-            "spmd(balance=True): a balanced step spreads microbatches of a loss over the devices, so it takes a "
-            "loss_fn(params, microbatch, rng) -> (loss_sum, num_real), not a train step; use "
-            "openhosti_jax.balanced_step(loss_fn, mesh=mesh, plan=plan, microbatches=...)"
-        )
 
     def build(f: StepFn) -> SpmdStep:
         return SpmdStep(

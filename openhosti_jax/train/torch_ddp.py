@@ -18,8 +18,11 @@ The full mode, ``OptimizedDDP(module, optimizer=opt, loss_fn=loss, plan="fsdp")`
 maps the torch optimizer to optax (`openhosti_jax.bridges.torch_optim`: SGD, Adam(W), Adamax, NAdam, RAdam, Adadelta,
 Adagrad, RMSprop with their options and groups, as torch steps them; each step reads every group's ``lr`` (momentum,
 betas, ...) from ``optimizer.param_groups``, so a torch LR scheduler stepped in the loop is honoured) and runs
-forward, loss, gradient and update as one program whose parameters and optimizer state the plan shards (ZeRO-3 by
-default). The buffers ride in the train state's ``model_state``: BatchNorm's running statistics are updated as torch
+forward, loss, gradient and update as one program whose parameters and optimizer state the plan shards (by
+default the planner chooses the ZeRO stage, as every door does where no plan is named; ``plan="fsdp"``, ``"dp"``,
+``"zero1"``, ``"zero2"`` fix it). The drop-in mode has no plan to choose: as DDP, the weights are torch's and
+replicated, so ``plan=`` belongs to the full mode. The buffers ride in the train state's ``model_state``: BatchNorm's
+running statistics are updated as torch
 updates them. ``model.eval()`` / ``model.train()`` select the program (one each). A batch that does not divide the
 data axis (a DataLoader's short last batch) runs in a program of its own that splits it unevenly (without
 ``microbatch=``). ``microbatch=k`` accumulates the
@@ -81,7 +84,7 @@ from openhosti_jax.state.init import abstract_train_state
 from openhosti_jax.train.balanced import BalancedStep
 from openhosti_jax.train.create import Strategy, create_train_state
 from openhosti_jax.train.spmd import SpmdStep, spmd
-from openhosti_jax.train.torch_dropin import DropIn, host_value, put_value, uneven_train_step
+from openhosti_jax.train.torch_dropin import DropIn, device_tensor, host_value, put_value, uneven_train_step
 
 
 def _zero_stage(plan: Strategy) -> int | None:
@@ -128,6 +131,7 @@ class OptimizedDDP(torch.nn.Module):
                 f"balance=True, {given[0]}=...), found balance=False; pass balance=True, or drop {given}"
             )
         full_only = {
+            "plan": plan,
             "microbatch": microbatch,
             "memory_budget": memory_budget,
             "checkpoint_dir": checkpoint_dir,
@@ -154,7 +158,7 @@ class OptimizedDDP(torch.nn.Module):
         if balance:
             plan = "dp" if plan is None else plan
             self._check_balance(plan, microbatch, memory_budget, microbatches, balancer_kw)
-        plan = "fsdp" if plan is None else plan
+        plan = "auto" if plan is None else plan
         self._full: dict[str, Any] | None = None
         self.checkpoints: CheckpointManager | None = None
         """The full mode's `CheckpointManager` over ``checkpoint_dir`` (None without one)."""
@@ -201,8 +205,9 @@ class OptimizedDDP(torch.nn.Module):
 
     def train_step(self, inputs: torch.Tensor | tuple[torch.Tensor, ...], targets: torch.Tensor) -> torch.Tensor:
         """The full mode's step: forward, ``loss_fn``, gradient and the optimizer's optax update, one jitted program
-        sharded by the plan (``"fsdp"``, the default: ZeRO-3 over the data axis; ``"dp"``, ``"zero1"``, ``"zero2"``,
-        ``"auto"``), in the module's mode (``train()`` / ``eval()``); with ``balance=True`` a load-balanced step
+        sharded by the plan (``"auto"``, the default: the planner's ZeRO stage; ``"fsdp"``: ZeRO-3 over the data
+        axis; ``"dp"``, ``"zero1"``, ``"zero2"``), in the module's mode (``train()`` / ``eval()``); with
+        ``balance=True`` a load-balanced step
         (`openhosti_jax.balanced_step`, plan ``"dp"`` by default). Returns the loss; the module's weights are written
         back by `state_dict` / `sync_module`. The first step resumes from ``checkpoint_dir``'s latest good step if
         any."""
@@ -523,4 +528,8 @@ class OptimizedDDP(torch.nn.Module):
     def _write_buffers(self, new: dict[str, Any]) -> None:
         with torch.no_grad():
             for n, t in self._buffers_now().items():
-                t.copy_(torch.from_numpy(host_value(new[n])))
+                t.copy_(
+                    device_tensor(new[n], t.device)
+                    if jax.process_count() == 1
+                    else torch.from_numpy(host_value(new[n]))
+                )
