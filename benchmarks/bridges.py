@@ -20,8 +20,8 @@ Prints one JSON object on its last line (keys and goals in benchmarks/README.md)
   model and batch, timed in the same rounds (reported).
 - ``optimized_ddp_forward_programs_per_step`` (goal 1) and ``optimized_ddp_host_transfers_per_step`` (goal 0): in a
   worker on 8 devices, steady-state drop-in steps of a small MLP whose forward ticks a host callback each time a
-  program runs it (over the ticks of one forward alone), and the implicit transfers ``jax.transfer_guard("log")``
-  logs during them.
+  program runs it (over the ticks of one forward alone), and the transfers between host and device, explicit or
+  implicit, that JAX's transfer guards (``log_explicit``) log during them.
 Runs alternate A and B in one process; loader ratios are medians over rounds of the ratio within a round.
 
 ``--quick`` (passed on to the DDP workers): the same 1 MiB and 1 GiB arrays with 5 rounds of 50 conversions, the
@@ -302,7 +302,8 @@ class _Counted(torch.nn.Module):
 
 def _count_worker() -> None:
     """Steady-state drop-in steps on 8 devices: forward program runs per step (host-callback ticks over those of
-    one forward alone) and, under ``jax.transfer_guard("log")``, the implicit transfers XLA logs to stderr."""
+    one forward alone) and the transfers through the host (explicit or implicit; device to device: implicit) that
+    JAX's transfer guards log to stderr."""
     from openhosti_jax.bridges.torch_lowering import import_torchax
     from openhosti_jax.train.torch_ddp import OptimizedDDP
 
@@ -327,7 +328,12 @@ def _count_worker() -> None:
     ticks_per_forward = len(runs) - start
     before = len(runs)
     print("COUNT-START", file=sys.stderr, flush=True)
-    with jax.transfer_guard("log"):
+    host = ("log_explicit",) * 2  # through the host, explicit or not; device to device, only implicit ones
+    with (
+        jax.transfer_guard("log"),
+        jax.transfer_guard_host_to_device(host[0]),
+        jax.transfer_guard_device_to_host(host[1]),
+    ):
         for _ in range(COUNT_STEPS):
             step()
         jax.effects_barrier()
@@ -337,8 +343,9 @@ def _count_worker() -> None:
 
 
 def dropin_counts() -> dict[str, float]:
-    """`optimized_ddp_forward_programs_per_step` and `optimized_ddp_host_transfers_per_step` (implicit transfers,
-    counted from the transfer guard's log) from a worker process, so its stderr holds only its own log lines."""
+    """`optimized_ddp_forward_programs_per_step` and `optimized_ddp_host_transfers_per_step` (every transfer
+    between host and device, explicit or implicit, counted from the transfer guards' log) from a worker process,
+    so its stderr holds only its own log lines."""
     env = {**os.environ, "BRIDGES_COUNT_WORKER": "1"}
     done = subprocess.run(
         [sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True, timeout=DDP_TIMEOUT_S

@@ -31,6 +31,9 @@ from typing import Any, NamedTuple
 README = os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md")
 QUICK = "--quick" in sys.argv
 """Whether the script runs its quick mode (smaller shapes and repetitions, the same code paths): CI runs it."""
+os.environ.setdefault("OPENHOSTI_RECALIBRATE", "1")
+"""A benchmark prices against this machine as it is now: it measures a new device profile rather than read one
+cached by an earlier run under another load (`openhosti_jax.planner.profile_cache`; set it to 0 to read it)."""
 
 
 class Goal(NamedTuple):

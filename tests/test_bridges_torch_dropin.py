@@ -297,3 +297,8 @@ def test_steady_state_steps_make_no_implicit_transfers():
     with jax.transfer_guard("disallow"):
         for rows in (8, 5, 8):
             step(rows)
+    # nor explicit ones through the host: tensors cross by DLPack (zero-copy on the tensor's device), then move
+    # device to device; outputs and gradients come back the same way
+    with jax.transfer_guard_host_to_device("disallow_explicit"), jax.transfer_guard_device_to_host("disallow_explicit"):
+        for rows in (8, 5, 8):
+            step(rows)

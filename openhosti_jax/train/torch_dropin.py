@@ -17,6 +17,7 @@ in theirs. Under ``torch.no_grad()`` (or with no parameter requiring grad) the p
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -26,6 +27,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from openhosti_jax.bridges.tensors import to_jax, to_torch, torch_to_numpy
 from openhosti_jax.bridges.torch_lowering import Lowered
 from openhosti_jax.bridges.torch_tree import flatten, static_key, unflatten
 
@@ -57,6 +59,39 @@ def put_value(value: np.ndarray, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 
 
+def _shares_memory(t: torch.Tensor) -> bool:
+    """Whether JAX's devices are where ``t`` lives (CPU with CPU, CUDA with GPU): DLPack then moves nothing."""
+    platform = jax.devices()[0].platform
+    return (t.device.type == "cpu" and platform == "cpu") or (t.device.type == "cuda" and platform in ("gpu", "cuda"))
+
+
+def device_value(t: torch.Tensor, sharding: NamedSharding) -> jax.Array:
+    """``t`` (this process's whole value) placed as ``sharding`` without a trip through the host where JAX and
+    torch share the device kind: a zero-copy DLPack view on the tensor's own device, then device-to-device
+    copies. Otherwise (a CPU tensor for GPU devices) through host memory, as it must."""
+    if _shares_memory(t):
+        return jax.device_put(to_jax(t), sharding)
+    return jax.device_put(torch_to_numpy(t), sharding)
+
+
+@functools.cache
+def _replicator(mesh: Mesh) -> Any:
+    """A program that replicates an array over ``mesh``'s devices."""
+    return jax.jit(lambda a: a, out_shardings=NamedSharding(mesh, P()))
+
+
+def device_tensor(x: jax.Array, device: torch.device) -> torch.Tensor:
+    """``x``'s whole value as a torch tensor on ``device``: a DLPack view of its first shard (a replicated array) or
+    of a device-to-device gather; JAX's 32-bit integers widened to torch's int64 (JAX has no 64-bit ones by
+    default). Only where the devices differ in kind is it copied through the host."""
+    if not x.is_fully_replicated and isinstance(x.sharding, NamedSharding):
+        x = _replicator(x.sharding.mesh)(x)  # an all-gather among the devices (a host gather on CPU otherwise)
+    t = to_torch(x)
+    if t.dtype == torch.int32:
+        t = t.to(torch.int64)
+    return t if t.device == device else t.to(device)
+
+
 def _to_torch(value: np.ndarray) -> torch.Tensor:
     """A host value as torch gives it: JAX's 32-bit integers (it has no 64-bit ones by default) as torch's int64."""
     if value.dtype.name == "bfloat16":  # numpy has no bfloat16 of its own: through float32
@@ -80,6 +115,9 @@ class _Call:
         self.diff_params = tuple(grad and p.requires_grad for p in params)
         self.diff_inputs = tuple(grad and t.requires_grad and t.is_floating_point() for t in leaves)
         self.needs_grad = any(self.diff_params) or any(self.diff_inputs)
+        first = next(iter(leaves), None) if leaves else (params[0] if params else None)
+        self.device = first.device if first is not None else torch.device("cpu")
+        """Where outputs go: the first tensor argument's device (the module's, with no tensor argument)."""
 
     def is_rows(self, shape: tuple[int, ...]) -> bool:
         return self.batch is not None and len(shape) > 0 and shape[0] == self.batch
@@ -95,6 +133,7 @@ class DropIn:
         self.forward_runs = 0
         """Forward programs executed (one per call; ``backward()`` runs only the VJP's residuals)."""
         self._bwd = jax.jit(lambda vjp, cts: vjp(cts))
+        self._zeros: dict[Any, Any] = {}
 
     def sharding(self, spec: P) -> NamedSharding:
         return NamedSharding(self.mesh, spec)
@@ -126,7 +165,7 @@ class DropIn:
         self.forward_runs += 1
         if not call.needs_grad:
             outs, new_buffers, out_spec = program(p, b, key, xs)
-            return unflatten(out_spec.value, [_to_torch(self._out(o, call)) for o in outs]), new_buffers
+            return unflatten(out_spec.value, [self._out_tensor(o, call) for o in outs]), new_buffers
         diff = [params[n] for n, d in zip(names, call.diff_params, strict=True) if d]
         diff += [t for t, d in zip(leaves, call.diff_inputs, strict=True) if d]
         box: dict[str, Any] = {}
@@ -174,11 +213,15 @@ class DropIn:
         return program
 
     def _replicated(self, t: torch.Tensor) -> jax.Array:
+        if jax.process_count() == 1:
+            return device_value(t, self.sharding(P()))
         return put_value(t.detach().cpu().numpy(), self.sharding(P()))
 
     def _place(self, t: torch.Tensor, rows: bool, call: _Call) -> jax.Array:
         """An argument on the mesh: batch rows split over the axis (or placed whole when uneven), the rest
         replicated. Each process gives its own rows."""
+        if call.nproc == 1:
+            return device_value(t, self.sharding(P(self.axis) if rows and call.even else P()))
         value = t.detach().cpu().numpy()
         if rows and call.even:
             if call.nproc == 1:
@@ -187,6 +230,12 @@ class DropIn:
         if rows and call.nproc > 1:  # every process's rows, in process order, on every process
             value = np.asarray(multihost_utils.process_allgather(value, tiled=True))
         return put_value(value, self.sharding(P()))
+
+    def _out_tensor(self, x: jax.Array, call: _Call) -> torch.Tensor:
+        """This process's part of an output as a torch tensor on the call's device (`_out`)."""
+        if call.nproc == 1:
+            return device_tensor(x, call.device)
+        return _to_torch(self._out(x, call)).to(call.device)
 
     def _out(self, x: jax.Array, call: _Call) -> np.ndarray:
         """This process's part of an output: its rows of a batch-sized one, the whole of any other."""
@@ -200,7 +249,15 @@ class DropIn:
         """The gradient flowing into output ``x`` as ``x`` is laid out: over processes, rows are joined and the
         gradients of a replicated output summed (the average is taken on the parameters' gradients)."""
         if not jax.numpy.issubdtype(x.dtype, jax.numpy.inexact):
-            return jax.device_put(np.zeros(x.shape, jax.dtypes.float0))
+            return np.zeros(x.shape, jax.dtypes.float0)  # a symbolic zero: no data moves
+        if call.nproc == 1:
+            if g is None:  # made on the devices by a program (eager zeros would send their scalar from the host)
+                key = (x.shape, x.dtype, x.sharding)
+                if key not in self._zeros:
+                    self._zeros[key] = jax.jit(lambda: jax.numpy.zeros(x.shape, x.dtype), out_shardings=x.sharding)
+                return self._zeros[key]()
+            value = device_value(g, x.sharding)
+            return value if value.dtype == x.dtype else value.astype(x.dtype)
         value = np.zeros(x.shape, x.dtype) if g is None else g.detach().cpu().numpy().astype(x.dtype)
         if call.nproc > 1 and call.is_rows(x.shape) and call.even:
             return jax.make_array_from_process_local_data(x.sharding, value)
@@ -239,10 +296,11 @@ class _Run(torch.autograd.Function):
     ) -> Any:
         outs, vjp, new_buffers, out_spec = program(*inputs)
         box["spec"], box["buffers"] = out_spec.value, new_buffers
-        tensors = [_to_torch(engine._out(o, call)) for o in outs]
+        tensors = [engine._out_tensor(o, call) for o in outs]
         ctx.mark_non_differentiable(*[t for t in tensors if not (t.is_floating_point() or t.is_complex())])
         ctx.set_materialize_grads(False)
         ctx.saved = (engine, call, vjp, outs)
+        ctx.devices = [t.device for t in diff]  # the parameters', then the differentiated inputs' devices
         return tuple(tensors)
 
     @staticmethod
@@ -256,8 +314,11 @@ class _Run(torch.autograd.Function):
         del ctx.saved  # the residuals go with it
         cts = [engine._cotangent(g, o, call) for g, o in zip(grads, outs, strict=True)]
         dp, dx = engine._bwd(vjp, cts)
-        scale = 1.0 / call.nproc  # each process's loss is its own batch's: DDP averages over processes
         names = [n for n, d in zip(engine.low.param_names, call.diff_params, strict=True) if d]
-        param_grads = [_to_torch(host_value(dp[n]) * scale) for n in names]
-        input_grads = [_to_torch(engine._out(g, call)) for g in dx]
+        devices = iter(ctx.devices)
+        if call.nproc == 1:
+            param_grads = [device_tensor(dp[n], next(devices)) for n in names]
+        else:  # each process's loss is its own batch's: DDP averages over processes
+            param_grads = [_to_torch(host_value(dp[n]) / call.nproc).to(next(devices)) for n in names]
+        input_grads = [engine._out_tensor(g, call).to(next(devices)) for g in dx]
         return (None, None, None, None, None, *param_grads, *input_grads)
