@@ -1,10 +1,10 @@
 """The one FLOP counter: FLOPs of a jaxpr, read from its equations, nothing compiled.
 
 A ``dot_general`` costs ``2 x output size x contracted size``, a convolution ``2 x output size x kernel window x
-input features``; with ``matmul_only=False`` every other primitive costs one FLOP per output element. A ``scan``
-body counts once per trip; of a ``cond`` / ``switch`` only the most expensive branch counts (one branch runs); a
-``while`` body counts once (its trip count is not known from shapes); other sub-jaxprs (``jit``, ``remat``,
-``custom_vjp``) count as they are.
+input features``; with ``matmul_only=False`` every other primitive costs one FLOP per output element. Nested jaxprs
+count by the one rule of `openhosti_jax.jaxpr_walk`: a ``scan`` body once per trip, of a ``cond`` / ``switch`` only
+the most expensive branch (one branch runs), a ``while`` predicate and body once each (the trip count is not known
+from shapes), other calls (``jit``, ``remat``, ``custom_vjp``) once.
 
 Example:
     >>> import jax, jax.numpy as jnp
@@ -24,6 +24,8 @@ from typing import Any
 
 import jax
 
+from openhosti_jax.jaxpr_walk import calls
+
 
 def dot_flops(eqn: Any) -> float:
     """FLOPs of one ``dot_general`` equation (2 x contracted size x output size)."""
@@ -38,27 +40,16 @@ def _conv_flops(eqn: Any) -> float:
     return 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(rhs) / max(out_features, 1)
 
 
-def _sub_jaxprs(eqn: Any) -> list[Any]:
-    subs = []
-    for v in eqn.params.values():
-        for item in v if isinstance(v, tuple | list) else (v,):
-            inner = getattr(item, "jaxpr", item)
-            if hasattr(inner, "eqns"):
-                subs.append(inner)
-    return subs
-
-
 def count_flops(jaxpr: Any, *, matmul_only: bool = False) -> float:
     """FLOPs of ``jaxpr`` (a ``Jaxpr`` or ``ClosedJaxpr``); ``matmul_only`` counts matmuls and convolutions."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    price = lambda j: count_flops(j, matmul_only=matmul_only)  # a cond's branch is chosen by what is counted
     total = 0.0
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
-        subs = _sub_jaxprs(eqn)
-        if subs:
-            inner = [count_flops(j, matmul_only=matmul_only) for j in subs]
-            trips = float(eqn.params.get("length", 1)) if name == "scan" else 1.0
-            total += trips * (max(inner) if name in ("cond", "switch") else sum(inner))
+        inner = calls(eqn, price)
+        if inner:
+            total += sum(c.trips * price(c.jaxpr) for c in inner)
         elif name == "dot_general":
             total += dot_flops(eqn)
         elif name == "conv_general_dilated":
@@ -66,6 +57,11 @@ def count_flops(jaxpr: Any, *, matmul_only: bool = False) -> float:
         elif not matmul_only:
             total += sum(float(math.prod(v.aval.shape)) for v in eqn.outvars if hasattr(v.aval, "shape"))
     return total
+
+
+def matmul_flops(jaxpr: Any) -> float:
+    """Matmul and convolution FLOPs of ``jaxpr``: what the planner prices, and so how it picks a ``cond`` branch."""
+    return count_flops(jaxpr, matmul_only=True)
 
 
 def jaxpr_flops(fn: Callable[..., Any], *args: Any, matmul_only: bool = False) -> float:

@@ -1,4 +1,5 @@
-"""The one FLOP counter against closed forms: matmuls, scans (per trip), convolutions, and cond (one branch)."""
+"""The one FLOP counter against closed forms: matmuls, scans (per trip), convolutions, and cond (one branch); the one
+rule for nested calls (`openhosti_jax.jaxpr_walk`) that it and the planner's walkers follow."""
 
 import jax
 import jax.numpy as jnp
@@ -41,3 +42,55 @@ def test_planner_workload_counts_with_the_same_counter():
 
     w = workload(Pick(), jax.ShapeDtypeStruct((2, 8), jnp.float32))
     assert w.flops_per_example == 3 * 2 * (2 * 8 * 8)  # forward + backward of the costlier branch, per example
+
+
+def test_one_rule_for_nested_calls():
+    """`calls` is the one rule every walker follows: a scan's body per trip (its xs sliced, its ys stacked), the
+    costliest cond branch once, a while's predicate and body once each, any other call once, operands aligned."""
+    from openhosti_jax.flops import matmul_flops
+    from openhosti_jax.jaxpr_walk import calls, is_remat
+
+    x = jnp.ones((4, 4))
+
+    @jax.custom_vjp
+    def cv(y):
+        return jnp.sin(y)
+
+    cv.defvjp(lambda y: (cv(y), y), lambda r, g: (g * r,))
+    f = lambda x: (
+        jax.lax.scan(lambda c, a: (c @ x, c * a), x[0], x),
+        jax.lax.cond(x.sum() > 0, lambda y: y @ y @ y, lambda y: y @ y, x),
+        jax.lax.while_loop(lambda c: c.sum() < x.sum(), lambda c: c @ x, x),
+        jax.checkpoint(jnp.sin)(x),
+        jax.jit(jnp.cos)(x),
+        cv(x),
+    )
+    jaxpr = jax.make_jaxpr(f)(x).jaxpr
+    found = {e.primitive.name: (e, calls(e, matmul_flops)) for e in jaxpr.eqns if calls(e, matmul_flops)}
+    eqn, (body,) = found["scan"]
+    assert (body.trips, body.operands, body.results) == (4, tuple(eqn.invars), tuple(eqn.outvars))
+    assert (body.sliced, body.stacked) == (2, 1)  # x (a const) and the carry whole, then the xs; the carry, the ys
+    eqn, (branch,) = found["cond"]
+    assert matmul_flops(branch.jaxpr) == 2 * (2 * 4**3) and branch.operands == tuple(eqn.invars[1:])
+    eqn, (pred, loop) = found["while"]
+    assert pred.results is None and loop.results == tuple(eqn.outvars) and (pred.trips, loop.trips) == (1, 1)
+    for name in ("jit", "custom_vjp_call"):
+        eqn, (call,) = found[name]
+        assert (call.trips, call.operands, call.results) == (1, tuple(eqn.invars), tuple(eqn.outvars))
+    assert [is_remat(e) for e, _ in found.values()] == [False, False, False, True, False, False]
+
+
+def test_walkers_take_the_same_cond_branch():
+    """The FLOP counter, remat block counting and sharding propagation all price the branch with the most matmul
+    FLOPs, even where another branch holds more checkpointed calls."""
+    from openhosti_jax.planner.propagate import propagate
+    from openhosti_jax.planner.workload import remat_blocks
+
+    block = jax.checkpoint(lambda y: jnp.tanh(y @ y))
+    x = jnp.ones((4, 4))
+    # the true branch: one block and three more matmuls (4 matmuls); the false branch: two blocks (2 matmuls)
+    f = lambda x: jax.lax.cond(x.sum() > 0, lambda y: block(y) @ y @ y @ y, lambda y: block(block(y)), x)
+    jaxpr = jax.make_jaxpr(f)(x).jaxpr
+    assert count_flops(jaxpr, matmul_only=True) == 4 * (2 * 4**3)
+    assert remat_blocks(jaxpr) == 1  # the priced branch's one block (summing the branches said 3)
+    assert propagate(jaxpr, [1], 2).split_flops == 4 * (2 * 4**3)  # the split reaches into the branch

@@ -6,7 +6,10 @@ free or batch dim stays marked in the output; a matmul contracting marked dims o
 all-reduce and is unmarked), as XLA's sharding propagation does for Megatron-style layers. A residual whose
 dim is marked is stored split over the tensor axis; a matmul with a marked operand is computed split, and its
 unmarked operands are consumed whole (under sequence parallelism, the all-gathered input the backward reuses).
-Anything the rules do not know is treated as replicated (the conservative side for memory).
+Nested jaxprs are followed by the one rule of `openhosti_jax.jaxpr_walk` (a scan's body per trip, its sliced
+operands one dim in; a cond's costliest branch; a while's predicate and body once; any other call once), their
+marks passed in and out where the walker lines their values up with the equation's. Anything the rules do not
+know is treated as replicated (the conservative side for memory).
 
 Example:
     >>> import jax, jax.numpy as jnp
@@ -23,12 +26,13 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from jax.extend.core import Literal
 
-from openhosti_jax.flops import dot_flops
+from openhosti_jax.flops import dot_flops, matmul_flops
+from openhosti_jax.jaxpr_walk import Call, calls
 from openhosti_jax.sizes import leaf_bytes
 
 Dim = int | None
@@ -69,17 +73,6 @@ def _dot(eqn: Any, dl: Dim, dr: Dim) -> tuple[Dim, bool]:
             return offset + free.index(d), True
     both = dl is not None and dr is not None and dl in lc and dr in rc and lc.index(dl) == rc.index(dr)
     return None, both
-
-
-def _sub_jaxpr(eqn: Any) -> Any | None:
-    if eqn.primitive.name in ("scan", "while", "cond"):  # carried / sliced operands shift dims (scan: above)
-        return None
-    for key in ("jaxpr", "call_jaxpr"):
-        sub = eqn.params.get(key)
-        inner = getattr(sub, "jaxpr", sub)
-        if inner is not None and hasattr(inner, "eqns") and len(inner.invars) == len(eqn.invars):
-            return inner
-    return None
 
 
 def _out_dim(eqn: Any, dims: list[Dim], t: int) -> Dim:
@@ -140,24 +133,14 @@ def propagate(jaxpr: Any, in_dims: Sequence[Dim], t: int) -> Propagation:
 
     for eqn in jaxpr.eqns:
         ins = [get(v) for v in eqn.invars]
-        if eqn.primitive.name == "scan":  # scanned layers: the body sees each slice (the scanned dim dropped)
-            nc, nk, length = eqn.params["num_consts"], eqn.params["num_carry"], eqn.params["length"]
-            body = eqn.params["jaxpr"].jaxpr
-            sliced = [None if d in (None, 0) else d - 1 for d in ins[nc + nk :]]
-            inner, n, r, c, w = propagate(body, [*ins[: nc + nk], *sliced], t)
-            splits, reshard, cut = splits + n * length, reshard + r * length, cut + c
-            whole |= _outer(eqn.outvars, body.outvars, w) | _outer(eqn.invars, body.invars, w)
-            outs = [None if isinstance(v, Literal) else inner.get(v) for v in body.outvars]
-            for i, o in enumerate(eqn.outvars):  # carries as the body leaves them, stacked outputs one dim later
-                dims[o] = outs[i] if i < nk or outs[i] is None else outs[i] + 1
-            continue
-        sub = _sub_jaxpr(eqn)
-        if sub is not None:
-            inner, n, r, c, w = propagate(sub, ins, t)
-            splits, reshard, cut = splits + n, reshard + r, cut + c
-            whole |= _outer(eqn.outvars, sub.outvars, w) | _outer(eqn.invars, sub.invars, w)
-            for o, io in zip(eqn.outvars, sub.outvars, strict=True):
-                dims[o] = None if isinstance(io, Literal) else inner.get(io)
+        nested = calls(eqn, matmul_flops)
+        if nested and all(call.operands is not None for call in nested):
+            for call in nested:
+                inner, n, r, c, w = propagate(call.jaxpr, _inner_dims(call, get), t)
+                splits, reshard, cut = splits + n * call.trips, reshard + r * call.trips, cut + c
+                whole |= _outer(call.results or (), call.jaxpr.outvars, w) | _outer(call.operands, call.jaxpr.invars, w)
+                if call.results is not None:
+                    dims.update(zip(call.results, _outer_dims(call, inner), strict=True))
             continue
         if eqn.primitive.name == "dot_general":
             out, split = _dot(eqn, *ins[:2])
@@ -175,6 +158,20 @@ def propagate(jaxpr: Any, in_dims: Sequence[Dim], t: int) -> Propagation:
             reshard += leaf_bytes(marked)
             cut += eqn.primitive.name == "reshape"
     return Propagation(dims, splits, reshard, cut, frozenset(v for v in whole if not isinstance(v, Literal)))
+
+
+def _inner_dims(call: Call, get: Callable[[Any], Dim]) -> list[Dim]:
+    """The marks a nested jaxpr's invars start with: its operands', a scan's sliced ones less their scanned dim."""
+    ins = [get(v) for v in call.operands]
+    cut = len(ins) if call.sliced is None else call.sliced
+    return [*ins[:cut], *(None if d in (None, 0) else d - 1 for d in ins[cut:])]
+
+
+def _outer_dims(call: Call, inner: dict[Any, Dim]) -> list[Dim]:
+    """The marks of a nested jaxpr's results as the equation gives them: a scan's stacked ones a dim later."""
+    outs = [None if isinstance(v, Literal) else inner.get(v) for v in call.jaxpr.outvars]
+    keep = len(outs) if call.stacked is None else call.stacked
+    return [d if i < keep or d is None else d + 1 for i, d in enumerate(outs)]
 
 
 def _outer(outer: Sequence[Any], inner: Sequence[Any], whole: frozenset) -> set[Any]:

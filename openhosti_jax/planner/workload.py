@@ -28,7 +28,8 @@ import optax
 from jax.extend.core import Literal
 
 from openhosti_jax.errors import BatchError
-from openhosti_jax.flops import count_flops, dot_flops
+from openhosti_jax.flops import count_flops, dot_flops, matmul_flops
+from openhosti_jax.jaxpr_walk import calls, is_remat
 from openhosti_jax.planner.propagate import propagate
 from openhosti_jax.policies.remat import KEEP_NAME, RECOMPUTE_FRACTION
 from openhosti_jax.sharding.rules import LAYER_AXIS, logical_names, unbox
@@ -270,19 +271,15 @@ def _attention_walk(
     for eqn in jaxpr.eqns:
         ins = [v for v in eqn.invars if not isinstance(v, Literal)]
         hit = [v in batch for v in ins]
-        subs = [getattr(s, "jaxpr", s) for s in _sub_jaxprs(eqn)]
-        if subs:
-            if eqn.primitive.name in ("cond", "switch"):
-                subs = [max(subs, key=lambda j: count_flops(j, matmul_only=True))]
-            inner = trips * (eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1)
-            for sub in subs:
-                outer = list(eqn.invars)[len(eqn.invars) - len(sub.invars) :]
-                if len(outer) == len(sub.invars):
-                    pairs = [(v, o) for v, o in zip(sub.invars, outer, strict=True) if not isinstance(o, Literal)]
+        inner = calls(eqn, matmul_flops)
+        if inner:
+            for sub, n, operands, *_ in inner:
+                if operands is not None:
+                    pairs = [(v, o) for v, o in zip(sub.invars, operands, strict=True) if not isinstance(o, Literal)]
                     dep, inner_scores = {v for v, o in pairs if o in batch}, {v for v, o in pairs if o in scores}
                 else:  # unknown mapping: every input is the batch's
                     dep, inner_scores = set(sub.invars), set()
-                _attention_walk(sub, inner, dep, acc, inner_scores)
+                _attention_walk(sub, trips * n, dep, acc, inner_scores)
             if any(hit):
                 batch.update(eqn.outvars)
             if any(v in scores for v in ins):
@@ -316,13 +313,10 @@ def _gemms(jaxpr: Any, trips: float, sizes: dict[float, float], batched: bool | 
     """Add each ``dot_general`` of ``jaxpr`` run ``trips`` times to ``sizes`` (M N K of one call -> FLOPs);
     ``batched``: only those with (True) or without (False) batch dims."""
     for eqn in jaxpr.eqns:
-        subs = [getattr(s, "jaxpr", s) for s in _sub_jaxprs(eqn)]
-        if subs:
-            if eqn.primitive.name in ("cond", "switch"):
-                subs = [max(subs, key=lambda j: count_flops(j, matmul_only=True))]
-            inner = trips * (eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1)
-            for sub in subs:
-                _gemms(sub, inner, sizes, batched)
+        inner = calls(eqn, matmul_flops)
+        if inner:
+            for c in inner:
+                _gemms(c.jaxpr, trips * c.trips, sizes, batched)
         elif eqn.primitive.name == "dot_general":
             if batched is not None and bool(eqn.params["dimension_numbers"][1][0]) != batched:
                 continue
@@ -343,13 +337,10 @@ def _unkept_projection_flops(jaxpr: Any, inside: bool = False) -> float:
     flops: dict[Any, float] = {}
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
-        subs = [getattr(s, "jaxpr", s) for s in _sub_jaxprs(eqn)]
-        if subs:
-            trips = eqn.params.get("length", 1) if name == "scan" else 1
-            into = inside or name in ("remat", "checkpoint", "remat2")
-            if name in ("cond", "switch"):
-                subs = [max(subs, key=lambda j: count_flops(j, matmul_only=True))]
-            total += trips * sum(_unkept_projection_flops(sub, into) for sub in subs)
+        inner = calls(eqn, matmul_flops)
+        if inner:
+            into = inside or is_remat(eqn)
+            total += sum(c.trips * _unkept_projection_flops(c.jaxpr, into) for c in inner)
             continue
         if name == "dot_general" and inside and not eqn.params["dimension_numbers"][1][0]:
             origin[eqn.outvars[0]] = eqn
@@ -364,24 +355,16 @@ def _unkept_projection_flops(jaxpr: Any, inside: bool = False) -> float:
 
 
 def remat_blocks(jaxpr: Any) -> int:
-    """How many checkpointed calls ``jaxpr`` makes: each ``remat`` equation, times the length of the scans around it."""
+    """How many checkpointed calls ``jaxpr`` makes: each ``remat`` equation, counted through nested calls by the
+    rule of `openhosti_jax.jaxpr_walk` (times the length of the scans around it; of a ``cond``, the branch the
+    planner prices, the one with the most matmul FLOPs)."""
     total = 0
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name in ("remat", "checkpoint", "remat2"):
+        if is_remat(eqn):
             total += 1
             continue
-        inner = sum(remat_blocks(sub.jaxpr if hasattr(sub, "jaxpr") else sub) for sub in _sub_jaxprs(eqn))
-        total += inner * (eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1)
+        total += sum(c.trips * remat_blocks(c.jaxpr) for c in calls(eqn, matmul_flops))
     return total
-
-
-def _sub_jaxprs(eqn: Any) -> list[Any]:
-    out = []
-    for value in eqn.params.values():
-        for v in value if isinstance(value, (tuple, list)) else (value,):
-            if hasattr(v, "eqns") or hasattr(v, "jaxpr"):
-                out.append(v)
-    return out
 
 
 class TensorSplit(NamedTuple):
