@@ -50,6 +50,15 @@ def test_matmul_curve_returns_its_cited_points_and_is_monotone_between_them(name
     assert p.gemm_seconds(m, n, k) == pytest.approx(2 * m * n * k / (p.peak_flops * p.gemm_efficiency(side)))
 
 
+def test_hopper_variants_differ_from_the_h100_only_where_their_specs_do():
+    h100 = PROFILES["H100"]
+    differ = lambda p: {f.name for f in dataclasses.fields(p) if getattr(p, f.name) != getattr(h100, f.name)}
+    assert differ(PROFILES["H200"]) == {"name", "memory_bytes", "memory_bandwidth", "sources"}
+    hbm2e = {"name", "peak_flops", "fp8_flops", "memory_bytes", "memory_bandwidth", "sources"}
+    assert differ(PROFILES["H100 HBM2e"]) == hbm2e
+    assert (PROFILES["H200"].memory_bytes, PROFILES["H100 HBM2e"].peak_flops) == (141 * 2**30, 912e12)
+
+
 def test_tpu_profiles_have_no_curves_and_say_so():
     for name in ("TPU v4", "TPU v5e", "TPU v5p", "TPU v6e"):
         p = PROFILES[name]

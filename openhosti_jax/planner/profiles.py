@@ -412,66 +412,48 @@ _NO_TPU_CURVES = (
     "TPU: no published GEMM-size or collective message-size curve found (MaxText's MFUs are end-to-end, not GEMM "
     "curves): matmuls at the bf16 peak, collectives on the alpha-beta line of the ICI / DCN spec"
 )
+_HOPPER_SOURCES = (_MAMF, _CUDA11_FIG6 + _HOPPER_SHAPE, _NCCL_H200, _NCCL_4_NODES)
+_H100_SXM = _spec(
+    "H100",
+    matmul_curve=_shape(A100_GEMM_TFLOPS, over=290 / 0.803),
+    bf16=989e12,
+    fp8=1979e12,
+    hbm=80 * GiB,
+    hbm_bandwidth=3.35e12,
+    link=367.61 * GB,
+    link_efficiency=_shape(H200_ALL_REDUCE_BUSBW),
+    per_host=8,
+    dcn=50 * GB,
+    dcn_efficiency=NIC_FRACTION_4_NODES,
+    host_bandwidth=55e9,
+    sources=(_H100, _DGX_H100, *_HOPPER_SOURCES),
+)
+"""H100 SXM, the Hopper profile the variants (``"H200"``, ``"H100 HBM2e"``) change a few fields of."""
 PROFILES: dict[str, DeviceProfile] = {
     # Per device: bf16 and fp8/int8 dense peak, HBM size and bandwidth, the intra-host link one way (NVLink's
     # bidirectional figure halved; TPU ICI per chip), the inter-host link (one 400 / 200 Gb/s NIC per GPU; TPU DCN
     # per chip), devices per host. GPU hosts of 8 with NVLink inside and InfiniBand across; a TPU slice is one ICI
     # domain (`openhosti_jax.planner.cluster` spans slices over DCN). Memory sizes quoted in GB are the GiB the
     # devices report (an H100's 80 GB is 80 GiB).
-    "H100": _spec(
-        "H100",
-        matmul_curve=_shape(A100_GEMM_TFLOPS, over=290 / 0.803),
-        bf16=989e12,
-        fp8=1979e12,
-        hbm=80 * GiB,
-        hbm_bandwidth=3.35e12,
-        link=367.61 * GB,
-        link_efficiency=_shape(H200_ALL_REDUCE_BUSBW),
-        per_host=8,
-        dcn=50 * GB,
-        dcn_efficiency=NIC_FRACTION_4_NODES,
-        host_bandwidth=55e9,
-        sources=(_H100, _DGX_H100, _MAMF, _CUDA11_FIG6 + _HOPPER_SHAPE, _NCCL_H200, _NCCL_4_NODES),
-    ),
-    "H200": _spec(
-        "H200",
-        matmul_curve=_shape(A100_GEMM_TFLOPS, over=290 / 0.803),
-        bf16=989e12,
-        fp8=1979e12,
-        hbm=141 * GiB,
-        hbm_bandwidth=4.8e12,
-        link=367.61 * GB,
-        link_efficiency=_shape(H200_ALL_REDUCE_BUSBW),
-        per_host=8,
-        dcn=50 * GB,
-        dcn_efficiency=NIC_FRACTION_4_NODES,
-        host_bandwidth=55e9,
-        sources=(_H200, _DGX_H100, _MAMF, _CUDA11_FIG6 + _HOPPER_SHAPE, _NCCL_H200, _NCCL_4_NODES),
+    "H100": _H100_SXM,
+    # H200: H100's compute, links and curves, more and faster HBM
+    "H200": dataclasses.replace(
+        _H100_SXM,
+        name="H200",
+        memory_bytes=141 * GiB,
+        memory_bandwidth=4.8e12,
+        sources=(_H200, _DGX_H100, *_HOPPER_SOURCES),
     ),
     # Meta's Grand Teton H100 (torchtitan's benchmarks): SXM, 96 GB HBM2e at 2.4 TB/s, a 500 W power limit. Its
     # peak is "between SXM and NVL" and not published: the middle of the two, 912 TFLOP/s, +-8.5%
-    "H100 HBM2e": _spec(
-        "H100 HBM2e",
-        matmul_curve=_shape(A100_GEMM_TFLOPS, over=290 / 0.803),
-        bf16=(989e12 + 835e12) / 2,
-        fp8=(1979e12 + 1671e12) / 2,
-        hbm=96 * GiB,
-        hbm_bandwidth=2.4e12,
-        link=367.61 * GB,
-        link_efficiency=_shape(H200_ALL_REDUCE_BUSBW),
-        per_host=8,
-        dcn=50 * GB,
-        dcn_efficiency=NIC_FRACTION_4_NODES,
-        host_bandwidth=55e9,
-        sources=(
-            _TITAN_H100,
-            _H100_NVL,
-            _H100,
-            _MAMF,
-            _CUDA11_FIG6 + _HOPPER_SHAPE,
-            _NCCL_H200,
-            _NCCL_4_NODES,
-        ),
+    "H100 HBM2e": dataclasses.replace(
+        _H100_SXM,
+        name="H100 HBM2e",
+        peak_flops=(989e12 + 835e12) / 2,
+        fp8_flops=(1979e12 + 1671e12) / 2,
+        memory_bytes=96 * GiB,
+        memory_bandwidth=2.4e12,
+        sources=(_TITAN_H100, _H100_NVL, _H100, *_HOPPER_SOURCES),
     ),
     "A100": _spec(
         "A100",
