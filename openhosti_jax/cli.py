@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from openhosti_jax.errors import OpenhostiError
+from openhosti_jax.errors import ConfigError, OpenhostiError, UsageError
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 BENCHMARKS_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
@@ -43,10 +43,6 @@ _EPILOG = """exit codes:
   2    usage error: bad flags, missing run directory, unknown benchmark, feature not installed
   130  interrupted (Ctrl-C); a checkpoint was written when --checkpoint-dir was given
 """
-
-
-class UsageError(Exception):
-    """Raised by a subcommand for a usage problem; `main` prints it and exits 2."""
 
 
 def _backends_started() -> bool:
@@ -299,12 +295,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     given = {"backoff_s": args.backoff_s, "backoff_factor": args.backoff_factor, "max_backoff_s": args.max_backoff_s}
     given["reset_after_s"] = args.reset_after_s
     kw = {k: v for k, v in given.items() if v is not None}
-    from openhosti_jax.errors import CheckpointError
-
-    try:
-        rc = run_with_restarts(_command(args), max_restarts=args.max_restarts, **kw)
-    except CheckpointError as e:  # raised only for bad arguments, before anything runs
-        raise UsageError(str(e)) from e
+    rc = run_with_restarts(_command(args), max_restarts=args.max_restarts, **kw)  # bad options: ConfigError, exit 2
     return EXIT_OK if rc == 0 else EXIT_FAILURE
 
 
@@ -472,7 +463,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(e.code or 0)
     try:
         return args.handler(args)
-    except UsageError as e:
+    except ConfigError as e:  # a usage error, or an option the library refuses
         print(f"openhosti {args.command}: {e}", file=sys.stderr)
         return EXIT_USAGE
     except OpenhostiError as e:

@@ -18,6 +18,11 @@ class OpenhostiError(Exception):
     """Base class of every error raised on purpose by openhosti_jax."""
 
 
+class ConfigError(OpenhostiError, ValueError):
+    """A model or option configuration is invalid: a field out of range, an unknown name, a missing companion
+    option. Argument checks raise it (or a more specific ValueError/TypeError subclass), never a RuntimeError."""
+
+
 class MeshConfigError(OpenhostiError, ValueError):
     """A mesh configuration does not match the devices (sizes, axes, multi-host layout)."""
 
@@ -87,8 +92,17 @@ class ReportError(OpenhostiError, FileNotFoundError):
     """A run directory or its metrics file, needed for a report, is missing or unreadable."""
 
 
+class MissingDataError(OpenhostiError, LookupError):
+    """A report's figure needs values the run did not record (a metric, a field of the plan)."""
+
+
+class UsageError(ConfigError):
+    """The ``openhosti`` command was given arguments it cannot run (the message says which and the fix)."""
+
+
 __all__ = [
     "OpenhostiError",
+    "ConfigError",
     "MeshConfigError",
     "ShardingError",
     "PlanningError",
@@ -106,4 +120,6 @@ __all__ = [
     "StepArgumentError",
     "StepOutputError",
     "ReportError",
+    "MissingDataError",
+    "UsageError",
 ]

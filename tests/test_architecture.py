@@ -19,6 +19,7 @@ MODULES = sorted(
 )
 
 
+@pytest.mark.slow  # runs lint-imports in a process
 @pytest.mark.timeout(300)
 def test_layers_contract_is_kept():
     exe = shutil.which("lint-imports") or os.path.join(os.path.dirname(sys.executable), "lint-imports")
@@ -27,6 +28,7 @@ def test_layers_contract_is_kept():
     assert "1 kept, 0 broken" in run.stdout
 
 
+@pytest.mark.slow  # 7 s on the 2-core machine: too long for the fast suite
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", MODULES)
 def test_docstring_examples_run(name):
@@ -37,3 +39,28 @@ def test_docstring_examples_run(name):
         runner.run(test)
     result = runner.summarize(verbose=False)
     assert result.failed == 0, f"{result.failed} of {result.attempted} examples failed in {name} (output above)"
+
+
+def test_every_error_raised_on_purpose_is_an_openhosti_error():
+    """``raise X(...)`` names a class of `openhosti_jax.errors` (a typed error a caller can catch by kind), except
+    the protocol signals Python itself defines (iteration's end, a missing attribute, an abstract method)."""
+    import ast
+    import builtins
+    import pathlib
+
+    import openhosti_jax
+    from openhosti_jax import errors
+
+    protocol = {"StopIteration", "AttributeError", "NotImplementedError"}
+    root = pathlib.Path(openhosti_jax.__file__).parent
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call | ast.Name):
+                target = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+                name = target.id if isinstance(target, ast.Name) else getattr(target, "attr", None)
+                kind = (getattr(errors, name, None) or getattr(builtins, name, None)) if name else None
+                if isinstance(kind, type) and issubclass(kind, BaseException):
+                    if not issubclass(kind, errors.OpenhostiError) and name not in protocol:
+                        found.append(f"{path.relative_to(root)}:{node.lineno} raises {name}")
+    assert not found, found

@@ -21,6 +21,8 @@ def _losses(data, steps=5):
     return out
 
 
+@pytest.mark.slow  # 20 s on the 2-core machine: too long for the fast suite
+@pytest.mark.timeout(120)
 def test_gpt_from_torch_dataloader_matches_native_loader():
     from torch.utils.data import DataLoader, TensorDataset
 

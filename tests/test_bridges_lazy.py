@@ -6,6 +6,7 @@ import sys
 import pytest
 
 
+@pytest.mark.slow  # imports the library in a fresh process
 @pytest.mark.timeout(120)
 def test_frameworks_are_imported_lazily():
     code = (

@@ -127,6 +127,7 @@ def test_batch_norm_statistics_and_modes_follow_torch(plan):
     _assert_state_close(ours, reference)  # after train, eval, a forward and train again: still as torch
 
 
+@pytest.mark.slow  # 14 s on the 2-core machine: too long for the fast suite
 @pytest.mark.timeout(600)
 def test_microbatches_accumulate_as_torch_does():
     """microbatch=2: the same losses as one batch (a transformer), and on BatchNorm the running statistics
@@ -177,6 +178,7 @@ def test_microbatches_accumulate_as_torch_does():
         odd.train_step(*images[0])
 
 
+@pytest.mark.slow  # 24 s on the 2-core machine: too long for the fast suite
 @pytest.mark.timeout(600)
 def test_auto_microbatch_fits_the_memory_budget():
     """microbatch="auto": with room to spare the whole per-device batch (8 rows) runs at once; with a budget of that
@@ -201,6 +203,7 @@ def test_auto_microbatch_fits_the_memory_budget():
     np.testing.assert_allclose(got, expected, rtol=1e-5)
 
 
+@pytest.mark.slow  # 60 s on the 2-core machine: too long for the fast suite
 @pytest.mark.timeout(600)
 def test_checkpoint_resumes_bit_identically(tmp_path):
     """Saved every 3 steps (parameters, AdamW moments, the dropout key); a fresh OptimizedDDP over a module with other
@@ -229,6 +232,7 @@ def test_checkpoint_resumes_bit_identically(tmp_path):
     resumed.close()
 
 
+@pytest.mark.slow  # 7 s on the 2-core machine: too long for the fast suite
 @pytest.mark.timeout(600)
 def test_state_dict_round_trip_and_direct_module_changes():
     """state_dict() of a trained model loaded into another full-mode model (before and after its first step) makes it
@@ -277,6 +281,7 @@ def test_full_mode_options_are_checked():
         ddp.save_checkpoint()
 
 
+@pytest.mark.slow  # 10 s on the 2-core machine: too long for the fast suite
 @pytest.mark.timeout(600)
 def test_balanced_full_mode_equals_torch_and_moves_work_off_a_slow_device():
     """balance=True on 4 devices, the last stalled 3 x 10 ms per microbatch: 4 AdamW steps of the transformer give
@@ -329,6 +334,7 @@ def test_balanced_full_mode_refuses_buffers_zero3_and_stray_options():
         OptimizedDDP(gpt, balance=True)
 
 
+@pytest.mark.slow  # 16 s on the 2-core machine: too long for the fast suite
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("schedule", ["step", "onecycle"])
 def test_full_mode_follows_torch_lr_schedulers(schedule):
@@ -373,6 +379,7 @@ def test_full_mode_follows_torch_lr_schedulers(schedule):
     _assert_state_close(ours, reference)
 
 
+@pytest.mark.slow  # 16 s on the 2-core machine: too long for the fast suite
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("plan", ["fsdp", "dp"])
 def test_full_mode_takes_a_dataloaders_short_last_batch(plan):

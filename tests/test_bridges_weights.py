@@ -67,6 +67,8 @@ def _net_and_inputs():
     return net, tokens, image
 
 
+@pytest.mark.slow  # 8 s on the 2-core machine: too long for the fast suite
+@pytest.mark.timeout(120)
 def test_flax_model_gives_the_torch_outputs():
     net, tokens, image = _net_and_inputs()
     maps = layer_maps(net, NAMES)

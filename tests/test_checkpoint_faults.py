@@ -101,6 +101,7 @@ def _run(tmp_path, trials: int, seed: int, parallel: int) -> None:
     assert any(partial for _, partial in results)  # at least one kill really landed inside a save
 
 
+@pytest.mark.slow  # 19 s on the 2-core machine: too long for the fast suite
 @pytest.mark.timeout(240)
 def test_sigkill_during_saves_fast(tmp_path):
     _run(tmp_path, trials=5, seed=0, parallel=5)

@@ -3,7 +3,6 @@
 import os
 import shutil
 import signal
-import time
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +12,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from openhosti_jax.checkpoint import CheckpointManager, SavePolicy
-from openhosti_jax.errors import BatchError, CheckpointError, CheckpointMismatchError
+from openhosti_jax.errors import BatchError, CheckpointError, CheckpointMismatchError, ConfigError
 from openhosti_jax.state import TrainState
 
 
@@ -134,18 +133,21 @@ def test_policy_keep_and_every_steps(tmp_path):
 @pytest.mark.timeout(60)
 def test_every_minutes(tmp_path):
     state = {"x": jnp.ones(3)}
-    with CheckpointManager(tmp_path, every_minutes=0.5 / 60) as ckpt:
+    now = [100.0]
+    with CheckpointManager(tmp_path, every_minutes=0.5 / 60, clock=lambda: now[0]) as ckpt:
         assert not ckpt.maybe_save(1, state)
-        time.sleep(0.6)
-        assert ckpt.maybe_save(2, state)
-        assert not ckpt.maybe_save(3, state)
+        now[0] += 0.49
+        assert not ckpt.maybe_save(2, state)
+        now[0] += 0.02  # 0.51 s since the manager started: due
+        assert ckpt.maybe_save(3, state)
+        assert not ckpt.maybe_save(4, state)  # the clock restarts at a save
 
 
 def test_policy_validation():
     assert SavePolicy(every_minutes=None, every_steps=5).due(10, 0.0)
     assert SavePolicy(every_minutes=1.0).due(7, 61.0) and not SavePolicy(every_minutes=1.0).due(7, 59.0)
     for bad in ({"every_minutes": 0}, {"every_steps": 0}, {"keep": 0}, {"every_steps": 2.5}):
-        with pytest.raises(CheckpointError):
+        with pytest.raises(ConfigError):
             SavePolicy(**bad)
 
 
@@ -186,7 +188,7 @@ def test_bad_inputs_raise_typed_errors(tmp_path):
             ckpt.restore({"x": jax.ShapeDtypeStruct((3,), jnp.float32, sharding=state["x"].sharding)})
         with pytest.raises(BatchError, match="JSON"):
             ckpt.maybe_save(1, state, data_state={"pos": (1, 2)}, force=True)
-        with pytest.raises(CheckpointError, match="JSON-able"):
+        with pytest.raises(ConfigError, match="JSON-able"):
             ckpt.maybe_save(1, state, meta={"f": object()}, force=True)
         ckpt.maybe_save(1, state, force=True)
         ckpt.wait()

@@ -6,7 +6,9 @@ import time
 import pytest
 
 from openhosti_jax.checkpoint import RESTART_ENV, run_with_restarts
-from openhosti_jax.errors import CheckpointError
+from openhosti_jax.errors import ConfigError
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]  # the tests start the supervised command as a process
 
 FLAKY = """
 import os, sys
@@ -56,7 +58,7 @@ def test_backoff_grows_geometrically(tmp_path):
     [{"cmd": []}, {"cmd": ["x", 1]}, {"cmd": ["x"], "max_restarts": -1}, {"cmd": ["x"], "backoff_factor": 0.5}],
 )
 def test_bad_arguments_raise(kwargs):
-    with pytest.raises(CheckpointError):
+    with pytest.raises(ConfigError):
         run_with_restarts(**kwargs)
 
 

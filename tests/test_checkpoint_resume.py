@@ -113,6 +113,7 @@ def _losses(log: pathlib.Path) -> tuple[dict[int, str], list[tuple[int, int, str
     return last, rows
 
 
+@pytest.mark.slow  # 33 s on the 2-core machine: too long for the fast suite
 @pytest.mark.timeout(300)
 def test_kill_and_resume_matches_straight_run(tmp_path):
     import jax

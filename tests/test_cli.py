@@ -50,6 +50,7 @@ def test_help_documents_exit_codes(cmd, capsys):
     assert "exit codes" in out and "2    usage error" in out
 
 
+@pytest.mark.slow  # 10 s on the 2-core machine: too long for the fast suite
 @pytest.mark.timeout(60)
 def test_console_script_help_and_usage_errors():
     ok = subprocess.run(
@@ -62,6 +63,7 @@ def test_console_script_help_and_usage_errors():
     assert main(["report", "/nonexistent/run"]) == 2
 
 
+@pytest.mark.slow  # 43 s on the 2-core machine: too long for the fast suite
 @pytest.mark.timeout(300)
 def test_train_writes_run_dir(run_dir):
     metrics = read_metrics(run_dir / "metrics.jsonl")
@@ -85,6 +87,7 @@ def test_train_writes_run_dir(run_dir):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow  # its fixture trains the demo (43 s)
 def test_report_pngs_and_numbers_match_metrics(run_dir, capsys):
     rc = main(["report", str(run_dir), "--schedule", "gpipe", "--stages", "4", "--microbatches", "8"])
     assert rc == 0
@@ -99,12 +102,14 @@ def test_report_pngs_and_numbers_match_metrics(run_dir, capsys):
     assert summary["mesh"]["fsdp"] == 8
 
 
+@pytest.mark.slow  # 9 s on the 2-core machine: too long for the fast suite
 @pytest.mark.timeout(120)
 def test_plan_example_prints_report(capsys):
     assert main(["plan", "--example", "gpt"]) == 0
     assert "ShardingPlan" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # runs the CLI's child process
 @pytest.mark.timeout(60)
 def test_run_passes_exit_code_through():
     assert main(["run", "--max-restarts", "0", "--", sys.executable, "-c", "pass"]) == 0

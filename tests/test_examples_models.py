@@ -25,6 +25,7 @@ def load(name: str):
     return module
 
 
+@pytest.mark.slow  # 76 s on the 2-core machine: too long for the fast suite
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", sorted(TINY))
 def test_example_loss_falls_and_matches_one_device(name):

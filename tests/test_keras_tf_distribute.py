@@ -8,7 +8,6 @@ Keras fixes its backend at its first import, so each case runs in a fresh proces
 import json
 import os
 import sys
-import time
 import warnings
 
 import pytest
@@ -170,17 +169,19 @@ def case_saves(keras, tf, out, directory):
     """Saves by time alone: every step when steps take longer than the interval, only the last when they never do."""
     from openhosti_jax.keras import Strategy
 
-    class Slow(keras.callbacks.Callback):
+    now = [0.0]
+
+    class Slow(keras.callbacks.Callback):  # each batch takes 0.3 s on the save schedule's (injected) clock
         def on_train_batch_end(self, batch, logs=None):
-            time.sleep(0.3)
+            now[0] += 0.3
 
     strategy = Strategy()
     x, y = _arrays(96)
     for name, kw in {"seconds": {"every_seconds": 0.2}, "minutes": {"every_minutes": 60}}.items():
         with strategy.scope():
             model = _mlp(keras)
-        cb = strategy.checkpoint(os.path.join(directory, name), keep=None, **kw)
-        model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False, callbacks=[cb, Slow()])
+        cb = strategy.checkpoint(os.path.join(directory, name), keep=None, clock=lambda: now[0], **kw)
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False, callbacks=[Slow(), cb])
         out[name] = [cb.saved_steps, cb.manager.good_steps()]
 
 

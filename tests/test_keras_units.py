@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from openhosti_jax.errors import BatchError, CheckpointError, MemoryBudgetError, PlanningError
+from openhosti_jax.errors import BatchError, ConfigError, MemoryBudgetError, PlanningError
 from openhosti_jax.keras import InputContext
 from openhosti_jax.keras._backend import batch_divides
 from openhosti_jax.keras.auto import layout_for, plan_variables, spec_axes, stand_in_optimizer
@@ -65,9 +65,9 @@ def test_input_context_as_tf_distribute_defines_it():
 
 def test_save_schedule_units():
     assert save_minutes(30, None) == 0.5 and save_minutes(None, 2.0) == 2.0 and save_minutes(None, None) is None
-    with pytest.raises(CheckpointError, match="not both"):
+    with pytest.raises(ConfigError, match="not both"):
         save_minutes(1, 1)
-    with pytest.raises(CheckpointError, match="every_seconds > 0"):
+    with pytest.raises(ConfigError, match="every_seconds > 0"):
         save_minutes(0, None)
 
 

@@ -22,7 +22,7 @@ import sys
 
 import pytest
 
-from openhosti_jax.errors import DistributedError
+from openhosti_jax.errors import ConfigError, DistributedError
 from openhosti_jax.mesh.distributed import LaunchInfo, detect_launch
 from openhosti_jax.mesh.launch import DERIVED_PORTS, LAUNCHERS, launch_local, launcher_env
 
@@ -107,7 +107,7 @@ def test_bad_values_and_incomplete_coordinates_raise_typed_errors(monkeypatch):
     monkeypatch.setenv("JOB_COMPLETION_INDEX", "0")
     with pytest.raises(DistributedError, match="expected both"):
         initialize_distributed()
-    with pytest.raises(DistributedError, match="launcher"):
+    with pytest.raises(ConfigError, match="launcher"):
         launcher_env("pbs", 0, 2, 1)
 
 

@@ -83,8 +83,10 @@ def _loss_and_grads(kind, remat, precision="fp32"):
     return float(value), grads, jaxpr
 
 
+@pytest.mark.slow  # 46 s on the 2-core machine: too long for the fast suite
 @pytest.mark.parametrize("kind", ["nnx-list", "nnx-scan", "llama-scan", "linen", "function"])
 @pytest.mark.parametrize("remat", ["dots", "selective", "full"])
+@pytest.mark.timeout(120)
 def test_remat_changes_no_result_and_needs_no_model_change(kind, remat):
     ref_loss, ref_grads, ref_jaxpr = _loss_and_grads(kind, "none")
     loss, grads, jaxpr = _loss_and_grads(kind, remat)
@@ -103,6 +105,8 @@ def test_blocks_are_found_in_lists_scans_and_linen_siblings():
     assert linen_block_paths(parts.params) == {("LinenBlock_0",), ("LinenBlock_1",), ("LinenBlock_2",)}
 
 
+@pytest.mark.slow  # 6 s on the 2-core machine: too long for the fast suite
+@pytest.mark.timeout(120)
 def test_bf16_compute_stays_within_the_derived_bound():
     """bfloat16 keeps 8 significant bits: each rounding to it is off by at most u = 2^-9 relative. On the loss's
     longest path the 3-layer GPT rounds its values D times: the embeddings once, per block the two norms and five
@@ -128,6 +132,7 @@ def _gpt_step(state, tokens):
     return state.apply_gradients(grads=grads), {"loss": value}
 
 
+@pytest.mark.slow  # 36 s on the 2-core machine: too long for the fast suite
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("scan", [False, True])
 def test_a_remat_plan_trains_to_the_same_losses(scan):
@@ -224,6 +229,7 @@ def _scanned_gpt():
     return (lambda r: GPT(cfg, rngs=nnx.Rngs(r))), jax.ShapeDtypeStruct((32, 64), jnp.int32)
 
 
+@pytest.mark.slow  # 16 s on the 2-core machine: too long for the fast suite
 @pytest.mark.timeout(600)
 def test_the_planner_picks_remat_only_when_the_plain_plan_does_not_fit():
     init, batch = _scanned_gpt()
@@ -237,6 +243,7 @@ def test_the_planner_picks_remat_only_when_the_plain_plan_does_not_fit():
     assert any("without them" in n for n in report.notes), report.notes
 
 
+@pytest.mark.slow  # 38 s on the 2-core machine: too long for the fast suite
 @pytest.mark.timeout(600)
 def test_a_step_that_accumulates_gets_remat_and_microbatches_chosen_together_and_trains_the_same():
     """With a step that reads the microbatch count, the search under a tight budget may also split the batch; the

@@ -71,6 +71,8 @@ def compiled_for():
     return compile_for
 
 
+@pytest.mark.slow  # 8 s on the 2-core machine: too long for the fast suite
+@pytest.mark.timeout(120)
 def test_chosen_fits_and_double_does_not(compiled_for):
     peaks = {s: compiled_peak_bytes(compiled_for(s)) for s in divisors(PER_DEVICE)}
     sizes = sorted(peaks)

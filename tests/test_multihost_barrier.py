@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from openhosti_jax.errors import DistributedError
+from openhosti_jax.errors import ConfigError, DistributedError
 from openhosti_jax.mesh.barrier import agree, barrier
 from openhosti_jax.mesh.launch import launch_local
 
@@ -48,11 +48,11 @@ def worker() -> None:
 def test_single_process_barrier_and_agree_are_no_ops_but_check_their_input():
     barrier("x", timeout_s=1)
     assert agree("x", "v") == "v"
-    with pytest.raises(DistributedError, match="without '/'"):
+    with pytest.raises(ConfigError, match="without '/'"):
         barrier("a/b")
-    with pytest.raises(DistributedError, match="timeout_s"):
+    with pytest.raises(ConfigError, match="timeout_s"):
         barrier("a", timeout_s=0)
-    with pytest.raises(DistributedError, match="must be a str"):
+    with pytest.raises(ConfigError, match="must be a str"):
         agree("a", 3)
 
 

@@ -71,6 +71,7 @@ def run_script(body: str, tmp_path, timeout: int = 400) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # 13 s on the 2-core machine: too long for the fast suite
 @pytest.mark.timeout(450)
 def test_gpipe_and_1f1b_match_unpipelined_on_4_stages_x_2_data(tmp_path):
     out = run_script(
@@ -95,6 +96,7 @@ def test_gpipe_and_1f1b_match_unpipelined_on_4_stages_x_2_data(tmp_path):
         assert grad_err < 1e-5, (name, grad_err)
 
 
+@pytest.mark.slow  # 16 s on the 2-core machine: too long for the fast suite
 @pytest.mark.timeout(450)
 def test_interleaved_and_nnx_fsdp_match_unpipelined(tmp_path):
     out = run_script(

@@ -166,6 +166,7 @@ print(json.dumps(res))
 )
 
 
+@pytest.mark.slow  # 75 s on the 2-core machine: too long for the fast suite
 @pytest.mark.timeout(600)
 def test_the_bundled_gpt_trains_pipelined_to_the_single_device_losses(tmp_path):
     """Adam moves each coordinate by at most about lr per step whatever its gradient's size, so a gradient near zero
@@ -182,6 +183,8 @@ def test_the_bundled_gpt_trains_pipelined_to_the_single_device_losses(tmp_path):
         assert r["param_err"] < 5e-5, (name, r)
 
 
+@pytest.mark.slow  # 6 s on the 2-core machine: too long for the fast suite
+@pytest.mark.timeout(120)
 def test_the_conformance_llama_from_transformers_is_cut_without_a_change():
     """transformers' FlaxLlamaForCausalLM, called as its users call it: its decoder layers are found (identical
     linen siblings) and the cut layers compose to its logits."""

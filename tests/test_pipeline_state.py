@@ -83,6 +83,7 @@ print(json.dumps(res))
 """
 
 
+@pytest.mark.slow  # 25 s on the 2-core machine: too long for the fast suite
 @pytest.mark.timeout(600)
 def test_pipelined_training_matches_one_device_and_converts_both_ways(tmp_path):
     out = run_script(TRAIN, tmp_path, timeout=560)

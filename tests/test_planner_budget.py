@@ -23,6 +23,7 @@ def test_budget_is_the_runtime_limit_before_the_spec_sheet():
     assert memory_budget_for(limited, h100, 123) == (123, "given")
 
 
+@pytest.mark.slow  # 6 s on the 2-core machine: too long for the fast suite
 @pytest.mark.timeout(300)
 def test_a_plan_that_compiles_over_the_budget_is_never_returned(monkeypatch):
     """The cost model's ranking stands; the compiled sizes are replaced by ones the budget rejects (the first two),

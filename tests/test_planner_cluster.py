@@ -152,7 +152,9 @@ def test_tensor_parallelism_is_seen_through_scanned_layers():
     assert split[1] < 0.5 * one.estimate.time["compute"]
 
 
+@pytest.mark.slow  # 18 s on the 2-core machine: too long for the fast suite
 @pytest.mark.parametrize("family", ["gpt", "llama"])
+@pytest.mark.timeout(120)
 def test_query_blocked_attention_equals_whole_attention_and_saves_the_square(family):
     cls, cfg = (GPT, GPTConfig) if family == "gpt" else (Llama, LlamaConfig)
     tokens = jax.random.randint(jax.random.key(1), (2, 64), 0, 256)

@@ -41,6 +41,7 @@ print(json.dumps(res))
 """
 
 
+@pytest.mark.slow  # 56 s on the 2-core machine: too long for the fast suite
 @pytest.mark.timeout(600)
 def test_the_planner_pipelines_when_it_wins_or_nothing_else_fits(tmp_path):
     out = run_script(SCRIPT, tmp_path, timeout=560)

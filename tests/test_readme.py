@@ -5,6 +5,7 @@ import pathlib
 import re
 
 import jax
+import pytest
 
 README = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
 
@@ -20,6 +21,8 @@ def test_readme_opens_with_the_run_and_test_commands():
     assert first_block[1] in ci and first_block[2] in ci
 
 
+@pytest.mark.slow  # 12 s on the 2-core machine: too long for the fast suite
+@pytest.mark.timeout(120)
 def test_quick_start_runs_and_trains():
     code = re.search(r"## Quick start.*?```python\n(.*?)```", README, re.S).group(1)
     scope: dict = {}

@@ -32,6 +32,7 @@ def _init(family: str):
     return lambda r: Llama(cfg, rngs=nnx.Rngs(r))
 
 
+@pytest.mark.slow  # 68 s on the 2-core machine: too long for the fast suite
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("family", ["gpt", "llama"])
 def test_a_sequence_parallel_step_equals_the_tensor_parallel_one(family):
@@ -58,6 +59,7 @@ def test_a_sequence_parallel_step_equals_the_tensor_parallel_one(family):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), runs[0][1], runs[1][1])
 
 
+@pytest.mark.slow  # 15 s on the 2-core machine: too long for the fast suite
 @pytest.mark.timeout(300)
 def test_the_sequence_split_saves_what_the_cost_model_predicts():
     """Compiled on 8 CPU devices under remat "dots": the split keeps less than the tensor split alone, and the

@@ -13,6 +13,7 @@ from openhosti_jax.models.gpt_job import GPTJob, build_job, gpt_loss_fn
 JOB = GPTJob(steps=4, global_batch=32, num_sequences=256, plan="dp", progress=False)
 
 
+@pytest.mark.slow  # 18 s on the 2-core machine: too long for the fast suite
 @pytest.mark.timeout(600)
 def test_balanced_gpt_step_equals_plain_step_and_moves_work_off_a_slow_device():
     mesh = build_mesh(MeshConfig(data=4), devices=jax.devices()[:4])
@@ -38,6 +39,8 @@ def test_balanced_gpt_step_equals_plain_step_and_moves_work_off_a_slow_device():
     assert balanced.progress_note() is not None
 
 
+@pytest.mark.slow  # 9 s on the 2-core machine: too long for the fast suite
+@pytest.mark.timeout(120)
 def test_balance_needs_a_plan_and_divisible_batches():
     mesh = build_mesh(MeshConfig(data=4), devices=jax.devices()[:4])
     state, plan, _, data = build_job(JOB, mesh)
@@ -53,6 +56,8 @@ def test_balance_needs_a_plan_and_divisible_batches():
         step(state, next(data))
 
 
+@pytest.mark.slow  # 10 s on the 2-core machine: too long for the fast suite
+@pytest.mark.timeout(120)
 def test_a_non_finite_balanced_step_leaves_the_state_as_it_was():
     mesh = build_mesh(MeshConfig(data=4), devices=jax.devices()[:4])
     state, plan, _, data = build_job(JOB, mesh)

@@ -40,6 +40,8 @@ def test_fsdp_leaves_are_sharded_one_eighth_along_the_chosen_dim():
     assert mu["head"]["kernel"][...].sharding.spec == state.params["head"]["kernel"][...].sharding.spec
 
 
+@pytest.mark.slow  # 6 s on the 2-core machine: too long for the fast suite
+@pytest.mark.timeout(120)
 def test_sharded_init_equals_single_device_init():
     mesh8 = build_mesh(MeshConfig(data=1, fsdp=8))
     mesh1 = build_mesh(MeshConfig(data=1), devices=jax.devices()[:1])

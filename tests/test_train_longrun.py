@@ -18,7 +18,7 @@ import pytest
 
 import openhosti_jax as oh
 from openhosti_jax.data import ArrayDataset
-from openhosti_jax.errors import BatchError, StateError
+from openhosti_jax.errors import BatchError, ConfigError, StateError
 from openhosti_jax.microbatch import make_train_step
 from openhosti_jax.train.profiling import ProfileWindow
 from openhosti_jax.train.spikes import LossSpikePolicy
@@ -134,17 +134,19 @@ def test_a_loss_spike_rolls_back_to_the_last_checkpoint_and_skips_the_batch(tmp_
 
 def test_spike_policy_needs_a_checkpoint_and_replayable_data(tmp_path):
     state, step = _setup()
-    with pytest.raises(StateError, match="checkpoint"):
+    with pytest.raises(ConfigError, match="checkpoint"):
         oh.Trainer(step, spikes=LossSpikePolicy())
     trainer = oh.Trainer(
         step, progress=False, checkpoint=oh.TrainerCheckpoint(tmp_path / "c", every_steps=2), spikes=LossSpikePolicy()
     )
     with pytest.raises(StateError, match="one-shot"):
         trainer.fit(state, iter(_batches(4)), num_steps=4)
-    with pytest.raises(StateError, match="min_history"):
+    with pytest.raises(ConfigError, match="min_history"):
         LossSpikePolicy(window=5, min_history=10)
 
 
+@pytest.mark.slow  # 6 s on the 2-core machine: too long for the fast suite
+@pytest.mark.timeout(120)
 def test_a_plain_generator_resumes_at_its_position_by_skipping(tmp_path):
     data = _batches(10)
 
@@ -194,7 +196,7 @@ def test_eval_runs_under_the_plan_without_donation_and_equals_plain_jnp():
     assert result.eval_history[-1]["eval_batches"] == 3
     with pytest.raises(StateError, match="one-shot"):
         trainer.fit(state, train, num_steps=6, eval_data=iter(held_out))
-    with pytest.raises(StateError, match="eval_step"):
+    with pytest.raises(ConfigError, match="eval_step"):
         oh.Trainer(step).fit(state, train, num_steps=1, eval_data=held_out)
 
 
@@ -257,7 +259,7 @@ def test_tensorboard_wandb_and_profiler_receive_the_records(tmp_path, monkeypatc
     assert logged[0][1]["loss"] == result.history[0]["loss"]
     traces = [os.path.join(r, f) for r, _, fs in os.walk(tmp_path / "profile") for f in fs if f.endswith(".json.gz")]
     assert len(traces) == 1 and b"traceEvents" in gzip.open(traces[0]).read()
-    with pytest.raises(StateError, match="FIRST:LAST"):
+    with pytest.raises(ConfigError, match="FIRST:LAST"):
         ProfileWindow.parse("a:b", "x")
 
 

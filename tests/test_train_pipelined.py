@@ -54,6 +54,7 @@ print(json.dumps({"losses": losses, "plain": plain, "resumed": after, "off_pipel
 )
 
 
+@pytest.mark.slow  # 36 s on the 2-core machine: too long for the fast suite
 @pytest.mark.timeout(600)
 def test_a_pipelined_plan_trains_checkpoints_and_leaves_the_pipeline(tmp_path, monkeypatch):
     monkeypatch.setenv("CKPT_DIR", str(tmp_path / "ckpt"))

@@ -29,6 +29,8 @@ def _job(tmp_path, plan, steps, **kw):
     )
 
 
+@pytest.mark.slow  # 27 s on the 2-core machine: too long for the fast suite
+@pytest.mark.timeout(120)
 def test_the_resumed_run_keeps_the_saved_plan_and_a_replan_is_honoured(tmp_path):
     first = run_job(_job(tmp_path, "zero1", 2), build_mesh(MeshConfig(data=2, fsdp=4)))
     assert len(first.history) == 2

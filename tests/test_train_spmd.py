@@ -26,6 +26,8 @@ def _train(plan, mesh, steps):
     return losses, jax.device_get(state.params)
 
 
+@pytest.mark.slow  # 18 s on the 2-core machine: too long for the fast suite
+@pytest.mark.timeout(120)
 def test_fsdp_8_devices_matches_one_device_for_20_steps():
     fsdp_losses, fsdp_params = _train("fsdp", build_mesh(MeshConfig(data=1, fsdp=8)), 20)
     one_losses, one_params = _train("dp", build_mesh(MeshConfig(data=1), devices=jax.devices()[:1]), 20)
@@ -41,6 +43,8 @@ def _argument_bytes(plan, mesh_config):
     return step.lower(state, batch).compile().memory_analysis().argument_size_in_bytes
 
 
+@pytest.mark.slow  # 16 s on the 2-core machine: too long for the fast suite
+@pytest.mark.timeout(120)
 def test_fsdp_argument_bytes_are_at_most_a_fifth_of_data_parallel():
     fsdp = _argument_bytes("fsdp", MeshConfig(data=1, fsdp=8))
     dp = _argument_bytes("dp", MeshConfig(data=8))
@@ -105,6 +109,8 @@ def test_plan_auto_prices_from_the_step_when_the_model_cannot_take_the_batch():
     assert 0.8 < step.report.predicted_bytes / step.report.compiled_bytes < 1.25
 
 
+@pytest.mark.slow  # 19 s on the 2-core machine: too long for the fast suite
+@pytest.mark.timeout(120)
 def test_gpt_job_auto_plans_mesh_and_stage_verifies_and_trains_like_dp():
     """The demo job's plan="auto": the planner's mesh over all 8 devices, its compiled bytes recorded, and the
     same losses as data parallelism."""

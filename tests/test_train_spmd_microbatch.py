@@ -22,6 +22,8 @@ def _losses(microbatch, steps=3, **kw):
     return out, step
 
 
+@pytest.mark.slow  # 13 s on the 2-core machine: too long for the fast suite
+@pytest.mark.timeout(120)
 def test_four_microbatches_equal_one():
     one, s1 = _losses(None)
     four, s4 = _losses(4)
@@ -29,6 +31,8 @@ def test_four_microbatches_equal_one():
     np.testing.assert_allclose(four, one, rtol=1e-5)
 
 
+@pytest.mark.slow  # 41 s on the 2-core machine: too long for the fast suite
+@pytest.mark.timeout(180)
 def test_auto_microbatch_fits_the_budget_and_twice_does_not():
     _, full = _losses(None, steps=1)
     mesh = full.mesh

@@ -4,12 +4,15 @@ import json
 
 import jax
 import numpy as np
+import pytest
 
 from openhosti_jax import MeshConfig, Trainer, build_mesh
 from openhosti_jax.models.gpt_job import GPTJob, build_job
 from openhosti_jax.train import read_metrics
 
 
+@pytest.mark.slow  # 8 s on the 2-core machine: too long for the fast suite
+@pytest.mark.timeout(120)
 def test_metrics_file_matches_history(tmp_path):
     state, _, step, data = build_job(
         GPTJob(steps=4, global_batch=8, num_sequences=64, progress=False), build_mesh(MeshConfig(data=-1))
@@ -24,6 +27,8 @@ def test_metrics_file_matches_history(tmp_path):
     json.dumps(result.history)
 
 
+@pytest.mark.slow  # 7 s on the 2-core machine: too long for the fast suite
+@pytest.mark.timeout(120)
 def test_keyboard_interrupt_stops_cleanly(tmp_path):
     state, _, step, data = build_job(
         GPTJob(steps=10, global_batch=8, num_sequences=64, progress=False), build_mesh(MeshConfig(data=-1))
@@ -42,6 +47,8 @@ def test_keyboard_interrupt_stops_cleanly(tmp_path):
     assert len(read_metrics(tmp_path / "m.jsonl")) == 2
 
 
+@pytest.mark.slow  # 26 s on the 2-core machine: too long for the fast suite
+@pytest.mark.timeout(120)
 def test_trainer_resumes_from_its_checkpoint_bit_identically(tmp_path):
     from openhosti_jax.train import TrainerCheckpoint
 

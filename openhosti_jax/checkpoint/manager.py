@@ -36,6 +36,7 @@ import signal
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -75,7 +76,7 @@ from openhosti_jax.checkpoint.flat import (
 from openhosti_jax.checkpoint.policy import SavePolicy
 from openhosti_jax.checkpoint.replicate import replica_steps, replicate_step
 from openhosti_jax.data.protocol import check_json_state
-from openhosti_jax.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
+from openhosti_jax.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, ConfigError
 
 _POLL_S = 0.02
 _IDLE_PER_BUSY = 9.0
@@ -164,6 +165,7 @@ class CheckpointManager:
         async_save: ``False`` makes every save synchronous (the call returns once the step is committed).
         agree_every: with several processes, time- and signal-triggered saves are decided together at steps
             divisible by this (a tiny all-gather there); step-count saves need no agreement.
+        clock: seconds from a monotonic clock, read to decide time-based saves (tests pass a fake one).
     """
 
     def __init__(
@@ -176,10 +178,11 @@ class CheckpointManager:
         replicate_to: str | os.PathLike[str] | None = None,
         async_save: bool = True,
         agree_every: int = 10,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.policy = SavePolicy(every_minutes=every_minutes, every_steps=every_steps, keep=keep)
         if not (isinstance(agree_every, int) and agree_every >= 1):
-            raise CheckpointError(f"expected agree_every to be an int >= 1, found {agree_every!r}")
+            raise ConfigError(f"expected agree_every to be an int >= 1, found {agree_every!r}")
         self.directory = epath.Path(directory)
         self.replicate_to = None if replicate_to is None else epath.Path(replicate_to)
         self._mgr = _orbax_manager(self.directory, async_save=async_save, read_only=False)
@@ -189,7 +192,8 @@ class CheckpointManager:
         self._verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="openhosti-verify")
         self._started: set[int] = set()
         self._hurry = threading.Event()
-        self._last_save = time.monotonic()
+        self._clock = clock
+        self._last_save = clock()
         self._signal: int | None = None
         self._decided: tuple[int, tuple[bool, bool]] | None = None
         self.agree_every = agree_every
@@ -230,7 +234,7 @@ class CheckpointManager:
         try:
             json.dumps(meta or {})
         except (TypeError, ValueError) as e:
-            raise CheckpointError(f"expected meta to be a JSON-able dict, found {meta!r}: {e}") from e
+            raise ConfigError(f"expected meta to be a JSON-able dict, found {meta!r}: {e}") from e
         flat, key_impls = flatten_state(state)
         # who writes which chunk file follows from each array's sharding (see checksums.files_written_by)
         arrays = {name: (tuple(x.shape), x.sharding) for name, x in flat.items() if isinstance(x, jax.Array)}
@@ -251,7 +255,7 @@ class CheckpointManager:
         )
         self._mgr.save(step, args=args, force=True)
         self._started.add(step)
-        self._last_save = time.monotonic()
+        self._last_save = self._clock()
         self._pending.append(self._worker.submit(self._finish, step, arrays))
         if signalled:
             self.wait()
@@ -328,7 +332,7 @@ class CheckpointManager:
             return self._decided[1]
         by_steps = self.policy.due_by_steps(step)
         signalled = self._signal is not None
-        timed = signalled or self.policy.due_by_time(time.monotonic() - self._last_save)
+        timed = signalled or self.policy.due_by_time(self._clock() - self._last_save)
         if jax.process_count() > 1:
             if step % self.agree_every:
                 timed = signalled = False

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from openhosti_jax.errors import CheckpointError
+from openhosti_jax.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -27,11 +27,11 @@ class SavePolicy:
 
     def __post_init__(self) -> None:
         if self.every_minutes is not None and not self.every_minutes > 0:
-            raise CheckpointError(f"expected every_minutes > 0 or None, found {self.every_minutes}")
+            raise ConfigError(f"expected every_minutes > 0 or None, found {self.every_minutes}")
         if self.every_steps is not None and (not isinstance(self.every_steps, int) or self.every_steps < 1):
-            raise CheckpointError(f"expected every_steps to be an int >= 1 or None, found {self.every_steps!r}")
+            raise ConfigError(f"expected every_steps to be an int >= 1 or None, found {self.every_steps!r}")
         if self.keep is not None and (not isinstance(self.keep, int) or self.keep < 1):
-            raise CheckpointError(
+            raise ConfigError(
                 f"expected keep to be an int >= 1 or None (keep all), found {self.keep!r}; keep=1 keeps only "
                 "the newest step, which leaves nothing to fall back to if it is corrupt"
             )

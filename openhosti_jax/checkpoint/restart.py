@@ -23,7 +23,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from openhosti_jax.errors import CheckpointError
+from openhosti_jax.errors import ConfigError
 
 RESTART_ENV = "OPENHOSTI_RESTART"
 
@@ -45,14 +45,14 @@ def run_with_restarts(
     least that many seconds resets ``k`` to 0 and the restarts used to none (``OPENHOSTI_RESTART`` keeps counting).
     """
     if not cmd or not all(isinstance(c, str) for c in cmd):
-        raise CheckpointError(f"expected cmd to be a non-empty list of str, found {cmd!r}")
+        raise ConfigError(f"expected cmd to be a non-empty list of str, found {cmd!r}")
     if max_restarts < 0 or backoff_s < 0 or backoff_factor < 1 or max_backoff_s < 0:
-        raise CheckpointError(
+        raise ConfigError(
             f"expected max_restarts >= 0, backoff_s >= 0, backoff_factor >= 1, max_backoff_s >= 0; found "
             f"{max_restarts}, {backoff_s}, {backoff_factor}, {max_backoff_s}"
         )
     if reset_after_s is not None and reset_after_s <= 0:
-        raise CheckpointError(f"expected reset_after_s > 0 or None (never reset), found {reset_after_s}")
+        raise ConfigError(f"expected reset_after_s > 0 or None (never reset), found {reset_after_s}")
     stop: list[int] = []
     child: list[subprocess.Popen[Any]] = []
 

@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import warnings
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 
 from openhosti_jax.checkpoint import CheckpointManager
-from openhosti_jax.errors import CheckpointError
+from openhosti_jax.errors import ConfigError
 from openhosti_jax.keras._backend import keras_module
 
 if TYPE_CHECKING:
@@ -34,10 +36,10 @@ FINISHED = "keras_fit.json"
 def save_minutes(every_seconds: float | None, every_minutes: float | None) -> float | None:
     """One time interval in minutes from either unit (None: no time-based saves)."""
     if every_seconds is not None and every_minutes is not None:
-        raise CheckpointError("give every_seconds or every_minutes, not both")
+        raise ConfigError("give every_seconds or every_minutes, not both")
     if every_seconds is not None:
         if not every_seconds > 0:
-            raise CheckpointError(f"expected every_seconds > 0, found {every_seconds}")
+            raise ConfigError(f"expected every_seconds > 0, found {every_seconds}")
         return every_seconds / 60.0
     return every_minutes
 
@@ -49,6 +51,7 @@ def checkpoint_callback(
     every_steps: int | None,
     every_minutes: float | None,
     keep: int | None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> Any:
     """A Keras callback saving to ``directory`` on the given schedule and resuming from it (module docstring)."""
     keras = keras_module()
@@ -56,7 +59,9 @@ def checkpoint_callback(
     class OrbaxCheckpoint(keras.callbacks.Callback):
         def __init__(self) -> None:
             super().__init__()
-            self.manager = CheckpointManager(directory, every_minutes=every_minutes, every_steps=every_steps, keep=keep)
+            self.manager = CheckpointManager(
+                directory, every_minutes=every_minutes, every_steps=every_steps, keep=keep, clock=clock
+            )
             self.restored_step: int | None = None
             self.restored_data: dict[str, Any] | None = None
             """The data position the restored step was saved at."""

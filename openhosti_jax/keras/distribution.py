@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from jax.sharding import Mesh
 
-from openhosti_jax.errors import UnsupportedError
+from openhosti_jax.errors import ShardingError, UnsupportedError
 from openhosti_jax.keras._backend import install_partial_batches, keras_module, tf_gradient_tape_active
 
 if TYPE_CHECKING:
@@ -44,7 +44,10 @@ def distribution_class() -> type:
             named = {a for e in self._axes if e is not None for a in (e if isinstance(e, tuple) else (e,))}
             unknown = named - set(self._device_mesh.axis_names)
             if unknown:
-                raise ValueError(f"layout axes {sorted(unknown)} are not axes of {self._device_mesh.axis_names}")
+                raise ShardingError(
+                    f"expected layout axes among the mesh's {self._device_mesh.axis_names}, found {sorted(unknown)}; "
+                    "name axes of the Strategy's mesh"
+                )
 
     class StrategyDistribution(keras.distribution.ModelParallel):
         """Layouts, batches and dataset hooks answered by ``strategy`` on ``mesh``."""

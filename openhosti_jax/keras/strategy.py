@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -262,14 +263,18 @@ class Strategy:
         every_seconds: float | None = None,
         every_minutes: float | None = None,
         keep: int | None = 3,
+        clock: Callable[[], float] = time.monotonic,
     ) -> Any:
         """A Keras callback: prints the plan, restores the newest good checkpoint when training begins (weights,
         optimizer state, step count and data position) and saves asynchronously every ``every_steps`` steps and/or
-        every ``every_seconds`` (or ``every_minutes``), and at the end; every 100 steps when no schedule is given."""
+        every ``every_seconds`` (or ``every_minutes``, by ``clock``), and at the end; every 100 steps when no
+        schedule is given."""
         minutes = save_minutes(every_seconds, every_minutes)
         if every_steps is None and minutes is None:
             every_steps = 100
-        return checkpoint_callback(self, directory, every_steps=every_steps, every_minutes=minutes, keep=keep)
+        return checkpoint_callback(
+            self, directory, every_steps=every_steps, every_minutes=minutes, keep=keep, clock=clock
+        )
 
     def run(self, fn: Callable[..., Any], args: Any = (), kwargs: Any = None, options: Any = None) -> Any:
         """Not available: `UnsupportedError` (see `TF_ONLY`)."""

@@ -32,7 +32,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TextIO
 
-from openhosti_jax.errors import DistributedError
+from openhosti_jax.errors import ConfigError, DistributedError
 from openhosti_jax.mesh.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID, LAUNCHER_ENV
 
 TIMEOUT_EXIT_CODE = 124
@@ -131,7 +131,7 @@ def launcher_env(launcher: str, process_id: int, num_processes: int, port: int) 
             ENV_NUM_PROCESSES: n,
             "JOB_COMPLETION_INDEX": i,  # set by the Job controller for every pod of an Indexed Job
         }
-    raise DistributedError(f"expected launcher in {LAUNCHERS}, found {launcher!r}")
+    raise ConfigError(f"expected launcher in {LAUNCHERS}, found {launcher!r}")
 
 
 def child_env(

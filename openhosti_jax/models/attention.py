@@ -20,7 +20,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from openhosti_jax.errors import StateError
+from openhosti_jax.errors import ConfigError
 
 
 def causal_mask(first: jax.Array | int, queries: int, keys: int) -> jax.Array:
@@ -36,7 +36,7 @@ def query_blocks(attend: Callable[[jax.Array, jax.Array], jax.Array], q: jax.Arr
     if block is None or block >= s:
         return attend(q, jnp.asarray(0))
     if s % block:
-        raise StateError(f"attention_block={block} must divide the sequence length {s}; use a divisor of it")
+        raise ConfigError(f"attention_block={block} must divide the sequence length {s}; use a divisor of it")
     n = s // block
     blocks = jnp.moveaxis(q.reshape(q.shape[0], n, block, *q.shape[2:]), 1, 0)
     step = jax.checkpoint(lambda qb, first: attend(qb, first))

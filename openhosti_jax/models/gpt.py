@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from openhosti_jax.errors import StateError
+from openhosti_jax.errors import ConfigError
 from openhosti_jax.models.attention import causal_mask, query_blocks
 from openhosti_jax.policies.remat import keep
 from openhosti_jax.sharding.rules import LAYER_AXIS
@@ -75,7 +75,7 @@ class GPTConfig:
         if not 0.0 <= self.dropout < 1.0:
             problems.append(f"dropout={self.dropout} must be in [0, 1)")
         if problems:
-            raise StateError("invalid GPTConfig: " + "; ".join(problems))
+            raise ConfigError("invalid GPTConfig: " + "; ".join(problems))
 
     @classmethod
     def tiny(cls, **kw: Any) -> GPTConfig:
@@ -239,7 +239,7 @@ def make_corpus(num_sequences: int, seq_len: int, seed: int = 0) -> np.ndarray:
     Word order follows a fixed random bigram table, so the text has structure a model can learn.
     """
     if num_sequences < 1 or seq_len < 2:
-        raise StateError(f"expected num_sequences >= 1 and seq_len >= 2, found {num_sequences}, {seq_len}")
+        raise ConfigError(f"expected num_sequences >= 1 and seq_len >= 2, found {num_sequences}, {seq_len}")
     rs = np.random.default_rng(seed)
     n = len(_CORPUS_WORDS)
     nxt = rs.integers(0, n, size=(n, 3))

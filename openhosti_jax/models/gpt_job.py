@@ -22,7 +22,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from openhosti_jax.data import ArrayDataset
-from openhosti_jax.errors import StateError
+from openhosti_jax.errors import ConfigError
 from openhosti_jax.mesh import MeshConfig, build_mesh
 from openhosti_jax.microbatch import make_train_step
 from openhosti_jax.models.gpt import GPT, GPTConfig, make_corpus, next_token_loss
@@ -74,7 +74,7 @@ class GPTJob:
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.global_batch < 1 or self.num_sequences < self.global_batch:
-            raise StateError(
+            raise ConfigError(
                 f"expected steps >= 1 and 1 <= global_batch <= num_sequences, found steps={self.steps}, "
                 f"global_batch={self.global_batch}, num_sequences={self.num_sequences}"
             )

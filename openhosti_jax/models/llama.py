@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from openhosti_jax.errors import StateError
+from openhosti_jax.errors import ConfigError, StateError
 from openhosti_jax.models.attention import causal_mask, query_blocks
 from openhosti_jax.policies.remat import keep
 from openhosti_jax.sharding.rules import LAYER_AXIS
@@ -94,7 +94,7 @@ class LlamaConfig:
         except TypeError:
             problems.append(f"dtype={self.dtype!r} is not a dtype name (e.g. 'float32', 'bfloat16')")
         if problems:
-            raise StateError("invalid LlamaConfig: " + "; ".join(problems))
+            raise ConfigError("invalid LlamaConfig: " + "; ".join(problems))
 
     @property
     def head_dim(self) -> int:

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from openhosti_jax.errors import StateError
+from openhosti_jax.errors import ConfigError
 from openhosti_jax.models.gpt import GPT, GPTConfig
 from openhosti_jax.models.llama import Llama, LlamaConfig
 from openhosti_jax.models.unet import UNet, UNetConfig
@@ -81,7 +81,7 @@ class ModelPreset:
 def model_preset(name: str, **overrides: Any) -> ModelPreset:
     """The preset ``name`` (see `PRESETS`), its config fields overridden (``seq_len=``, ``vocab_size=``, ...)."""
     if name not in _PRESETS:
-        raise StateError(f"unknown model preset {name!r}; expected one of {PRESETS}, or give the dimensions")
+        raise ConfigError(f"unknown model preset {name!r}; expected one of {PRESETS}, or give the dimensions")
     family, make = _PRESETS[name]
     base = make()
     fields = {f.name for f in dataclasses.fields(base)}
@@ -91,7 +91,7 @@ def model_preset(name: str, **overrides: Any) -> ModelPreset:
     defaults = {k: v for k, v in defaults.items() if k in fields}  # a UNet has no scanned layers
     unknown = sorted(set(overrides) - fields)
     if unknown:
-        raise StateError(f"preset {name!r} has no fields {unknown}; its fields are {sorted(fields)}")
+        raise ConfigError(f"preset {name!r} has no fields {unknown}; its fields are {sorted(fields)}")
     return ModelPreset(name, make(**{**defaults, **overrides}), family)
 
 

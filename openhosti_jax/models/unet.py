@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from openhosti_jax.errors import StateError
+from openhosti_jax.errors import ConfigError
 from openhosti_jax.models.attention import query_blocks
 
 
@@ -64,14 +64,14 @@ class UNetConfig:
 
     def __post_init__(self) -> None:
         if len(self.channels) != len(self.transformer_depth) or any(c % self.groups for c in self.channels):
-            raise StateError(
+            raise ConfigError(
                 f"channels {self.channels} need one transformer depth each (found {self.transformer_depth}) and to "
                 f"be multiples of groups={self.groups}"
             )
         if any(c % self.head_dim for c, d in zip(self.channels, self.transformer_depth, strict=True) if d):
-            raise StateError(f"head_dim={self.head_dim} must divide the width of every level with transformers")
+            raise ConfigError(f"head_dim={self.head_dim} must divide the width of every level with transformers")
         if self.latent_size % 2 ** (len(self.channels) - 1):
-            raise StateError(f"latent_size={self.latent_size} must halve {len(self.channels) - 1} times")
+            raise ConfigError(f"latent_size={self.latent_size} must halve {len(self.channels) - 1} times")
 
     @classmethod
     def sdxl(cls, **kw: Any) -> UNetConfig:

@@ -20,6 +20,7 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
+from openhosti_jax.errors import MissingDataError
 from openhosti_jax.report import figures
 from openhosti_jax.report.rundir import RunData, load_run, write_json
 
@@ -85,7 +86,7 @@ def write_report(
     for name, make in makers.items():
         try:
             fig = make()
-        except figures.MissingData as e:
+        except MissingDataError as e:
             skipped[name] = str(e)
             continue
         path = os.path.join(out, f"{name}.png")

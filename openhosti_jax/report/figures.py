@@ -1,7 +1,8 @@
 """PNG figures from a run directory: loss, throughput, memory, pipeline Gantt, balancer, checkpoints.
 
 matplotlib is imported only here, lazily (``pip install openhosti_jax[viz]``). Each ``*_figure`` function
-returns a `matplotlib.figure.Figure`, or raises `MissingData` naming what the run did not record.
+returns a `matplotlib.figure.Figure`, or raises `openhosti_jax.errors.MissingDataError` naming what the run did
+not record.
 
 Example:
     >>> from openhosti_jax.report.figures import loss_figure
@@ -15,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from openhosti_jax.errors import ConfigError, MissingDataError
 from openhosti_jax.pipeline import make_schedule, simulate
 
 FIGSIZE = (8.0, 4.5)
@@ -22,16 +24,15 @@ FIGSIZE = (8.0, 4.5)
 DPI = 100
 
 
-class MissingData(LookupError):
-    """Signal, not a user error: the run did not record what a figure needs, so it is skipped with this note."""
-
-
 def new_figure(ncols: int = 1) -> Any:
     """A `Figure` of `FIGSIZE` at `DPI` with ``ncols`` axes (no pyplot, no display needed)."""
     try:
         from matplotlib.figure import Figure
     except ImportError as e:
-        raise ImportError("openhosti report needs matplotlib; install it with `pip install openhosti_jax[viz]`") from e
+        raise ConfigError(
+            "openhosti report needs matplotlib, which is not installed; "
+            "install it with `pip install openhosti_jax[viz]`"
+        ) from e
     fig = Figure(figsize=FIGSIZE, dpi=DPI, layout="constrained")
     fig.subplots(1, ncols)
     return fig
@@ -40,7 +41,7 @@ def new_figure(ncols: int = 1) -> Any:
 def _series(metrics: Sequence[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
     rows = [(m["step"], m[key]) for m in metrics if isinstance(m.get(key), int | float)]
     if not rows:
-        raise MissingData(f"no {key!r} values in metrics.jsonl ({len(metrics)} records)")
+        raise MissingDataError(f"no {key!r} values in metrics.jsonl ({len(metrics)} records)")
     return [r[0] for r in rows], [float(r[1]) for r in rows]
 
 
@@ -75,7 +76,7 @@ def memory_figure(plan: dict[str, Any] | None) -> Any:
     """Left: params / optimizer bytes resident per device. Right: predicted vs compiled per-device bytes."""
     memory = (plan or {}).get("memory")
     if not memory or not memory.get("predicted"):
-        raise MissingData("plan.json has no memory breakdown (the run did not record predicted memory)")
+        raise MissingDataError("plan.json has no memory breakdown (the run did not record predicted memory)")
     mib = 2**20
     fig = new_figure(2)
     left, right = fig.axes
@@ -116,7 +117,7 @@ def memory_figure(plan: dict[str, Any] | None) -> Any:
 def pipeline_figure(schedule: dict[str, Any] | None) -> Any:
     """Gantt chart of a simulated pipeline schedule; idle time (the bubble) shaded red."""
     if not schedule:
-        raise MissingData("no schedule.json in the run and no --schedule given")
+        raise MissingDataError("no schedule.json in the run and no --schedule given")
     sched = make_schedule(
         schedule.get("kind", "1f1b"),
         int(schedule["num_stages"]),
@@ -147,7 +148,7 @@ def pipeline_figure(schedule: dict[str, Any] | None) -> Any:
 def balance_figure(balance: Sequence[dict[str, Any]]) -> Any:
     """Microbatches assigned to each device over the steps the balancer recorded."""
     if not balance:
-        raise MissingData("no balance.jsonl in the run (the balancer was not used)")
+        raise MissingDataError("no balance.jsonl in the run (the balancer was not used)")
     steps = [r["step"] for r in balance]
     counts = [r["counts"] for r in balance]
     fig = new_figure()
@@ -163,7 +164,7 @@ def balance_figure(balance: Sequence[dict[str, Any]]) -> Any:
 def checkpoint_figure(checkpoints: Sequence[dict[str, Any]]) -> Any:
     """Time the training loop was blocked by each checkpoint call."""
     if not checkpoints:
-        raise MissingData("no checkpoints.jsonl in the run (no --checkpoint-dir)")
+        raise MissingDataError("no checkpoints.jsonl in the run (no --checkpoint-dir)")
     fig = new_figure()
     ax = fig.axes[0]
     ax.bar([r["step"] for r in checkpoints], [1e3 * r["blocking_s"] for r in checkpoints], color="tab:purple")

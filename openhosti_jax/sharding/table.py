@@ -27,11 +27,12 @@ def format_bytes(n: float | None) -> str:
     """Human-readable bytes (binary units)."""
     if n is None:
         return "-"
+    unit = "B"
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+            break
         n /= 1024
-    raise AssertionError("unreachable")
+    return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
 
 
 def spec_str(spec: P) -> str:

@@ -17,7 +17,7 @@ from typing import Any
 
 import jax
 
-from openhosti_jax.errors import StateError
+from openhosti_jax.errors import ConfigError
 
 
 @dataclasses.dataclass
@@ -31,14 +31,16 @@ class ProfileWindow:
 
     def __post_init__(self) -> None:
         if not 1 <= self.first <= self.last:
-            raise StateError(f"expected profile steps 1 <= first <= last, found {self.first}:{self.last}; e.g. '10:15'")
+            raise ConfigError(
+                f"expected profile steps 1 <= first <= last, found {self.first}:{self.last}; e.g. '10:15'"
+            )
 
     @classmethod
     def parse(cls, text: str, logdir: str) -> ProfileWindow:
         """From ``"first:last"`` (or one step ``"12"``)."""
         parts = text.split(":")
         if len(parts) not in (1, 2) or not all(p.strip().isdigit() for p in parts):
-            raise StateError(f"expected --profile-steps FIRST:LAST (e.g. 10:15), found {text!r}")
+            raise ConfigError(f"expected --profile-steps FIRST:LAST (e.g. 10:15), found {text!r}")
         first, last = int(parts[0]), int(parts[-1])
         return cls(first, last, logdir)
 

@@ -23,7 +23,7 @@ import collections
 import dataclasses
 import math
 
-from openhosti_jax.errors import StateError
+from openhosti_jax.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,12 +41,12 @@ class LossSpikePolicy:
 
     def __post_init__(self) -> None:
         if not (self.z > 0 and self.window >= 2 and 2 <= self.min_history <= self.window):
-            raise StateError(
+            raise ConfigError(
                 f"LossSpikePolicy: expected z > 0 and 2 <= min_history <= window, found z={self.z}, "
                 f"window={self.window}, min_history={self.min_history}"
             )
         if self.skip_batches < 1 or self.max_rollbacks < 1:
-            raise StateError(
+            raise ConfigError(
                 f"LossSpikePolicy: expected skip_batches >= 1 and max_rollbacks >= 1, found {self.skip_batches}, "
                 f"{self.max_rollbacks}"
             )

@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 from openhosti_jax.bridges.tensors import to_jax, to_torch, torch_to_numpy
 from openhosti_jax.bridges.torch_lowering import Lowered
 from openhosti_jax.bridges.torch_tree import flatten, static_key, unflatten
+from openhosti_jax.errors import UnsupportedError
 
 
 class _Static:
@@ -306,7 +307,7 @@ class _Run(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
         if not hasattr(ctx, "saved"):
-            raise RuntimeError(
+            raise UnsupportedError(
                 "Trying to backward through an OptimizedDDP forward a second time: its residuals are freed by the "
                 "first backward (retain_graph=True does not keep them); run the forward again"
             )

@@ -24,7 +24,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import jax
 
-from openhosti_jax.errors import StateError
+from openhosti_jax.errors import ConfigError
 from openhosti_jax.train.metrics import MetricsLog
 
 JsonlWriter = MetricsLog
@@ -57,7 +57,7 @@ def _optional(module: str, extra: str) -> Any:
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        raise StateError(
+        raise ConfigError(
             f"this metric writer needs the {module!r} package, which is not installed; "
             f"pip install 'openhosti_jax[{extra}]' (or pip install {module})"
         ) from e

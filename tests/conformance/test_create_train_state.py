@@ -74,6 +74,7 @@ def stats(state):
     )
 
 
+@pytest.mark.slow  # 19 s on the 2-core machine: too long for the fast suite
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("plan", ["auto", "fsdp"])
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -92,6 +93,7 @@ def test_mutable_model_state_comes_back_and_matches_one_device(case, plan):
     assert_close_trees(ref_state.model_state, state.model_state)  # and alike, RNG counts exactly
 
 
+@pytest.mark.slow  # 17 s on the 2-core machine: too long for the fast suite
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_mutable_model_state_resumes_bit_for_bit(case, tmp_path):

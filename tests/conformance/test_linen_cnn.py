@@ -68,6 +68,7 @@ def batch():
     }
 
 
+@pytest.mark.slow  # 7 s on the 2-core machine: too long for the fast suite
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("plan", ["auto", "fsdp"])
 def test_flax_examples_style_step_matches_one_device(plan):

@@ -47,6 +47,7 @@ def exact(a, b):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+@pytest.mark.slow  # 35 s on the 2-core machine: too long for the fast suite
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_checkpoint_resumes_bit_for_bit_and_onto_another_mesh(case, tmp_path):

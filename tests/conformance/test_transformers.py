@@ -158,6 +158,7 @@ def llama():
 MODELS = {"bert": bert, "t5": t5, "resnet": resnet, "llama": llama}
 
 
+@pytest.mark.slow  # 140 s on the 2-core machine: too long for the fast suite
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("plan", ["auto", "fsdp"])
 @pytest.mark.parametrize("name", sorted(MODELS))

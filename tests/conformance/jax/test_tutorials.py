@@ -97,6 +97,7 @@ def run_mnist(decorate):
 
 
 @pytest.mark.slow  # ~30 s on two shared CPU cores: four compiles (nnx.jit and @spmd, train and eval)
+@pytest.mark.timeout(300)
 def test_nnx_mnist_tutorial_step_mutates_model_optimizer_and_metrics_in_place():
     ref_model, _, ref_history, _, _ = run_mnist(nnx.jit)
     model, optimizer, history, train_step, traces = run_mnist(oh.spmd(mesh=mesh(), plan="fsdp"))
@@ -149,6 +150,7 @@ def optax_quick_start(decorate):
 
 
 @pytest.mark.parametrize("plan", ["zero3", pytest.param("auto", marks=pytest.mark.slow)])  # auto: ~20 s
+@pytest.mark.timeout(300)
 def test_optax_quick_start_loop_spreads_its_state_over_arguments(plan):
     ref_params, _, ref_losses, _, _ = optax_quick_start(jax.jit)
     params, opt_state, losses, (first, total), step = optax_quick_start(oh.spmd(mesh=mesh(), plan=plan))
@@ -222,6 +224,7 @@ def run_linen(step):
 
 
 @pytest.mark.slow  # ~30 s on two shared CPU cores: a conv net with BatchNorm compiled twice
+@pytest.mark.timeout(300)
 def test_linen_train_state_with_batch_stats_and_a_dropout_key_argument():
     ref, ref_losses = run_linen(jax.jit(linen_train_step))
     step = oh.spmd(linen_train_step, mesh=mesh(), plan="fsdp")
