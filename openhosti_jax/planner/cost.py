@@ -27,7 +27,7 @@ Example:
     >>> from openhosti_jax.planner.cost import estimate
     >>> from openhosti_jax.sharding.plan import ShardingPlan
     >>> from openhosti_jax.planner.profiles import PROFILES
-    >>> from openhosti_jax.planner.workload import Workload
+    >>> from openhosti_jax.planner.workload import AttentionWork, PolicyActivations, Workload
     >>> params = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.float32)}
     >>> w = Workload(params, None, None, None, 8, 0.0, 0.0, 1)
     >>> plan = ShardingPlan.from_zero(params, optax.adam(1e-3), {"fsdp": 8}, 3)
@@ -40,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 from jax.sharding import PartitionSpec as P
@@ -48,7 +48,7 @@ from jax.sharding import PartitionSpec as P
 from openhosti_jax.errors import PlanningError
 from openhosti_jax.planner.cluster import Cluster
 from openhosti_jax.planner.profiles import DeviceProfile, bus_bytes
-from openhosti_jax.planner.workload import Workload
+from openhosti_jax.planner.workload import AttentionWork, PolicyActivations, Workload
 from openhosti_jax.policies.precision import precision
 from openhosti_jax.sharding.plan import ShardingPlan
 from openhosti_jax.sharding.rules import LAYER_AXIS, logical_names
@@ -176,64 +176,171 @@ def estimate(
     ``base_specs`` are the specs before ZeRO (tensor parallel / annotations) and ``sharded_specs`` the fully
     ZeRO-sharded ones; they default to the plan's gradient specs (exact for stage 0 and for stage 3).
     """
+    lay = _layout(plan, work, tx, profile, base_specs, sharded_specs)
+    acts = _activations(lay)
+    mem = _memory(lay, acts)
+    comm, updated = _communication(lay, acts)
+    time = _step_time(lay, acts, mem, comm, updated)
+    return Estimate(mem.parts, time, comm.bus_bytes, acts.cuts, mem.flops_factor)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """What every part of an estimate reads: the plan's axis sizes on the cluster, the leaves and their specs."""
+
+    plan: ShardingPlan
+    work: Workload
+    cluster: Cluster
+    sizes: dict[str, int]
+    """Mesh axis -> size."""
+    sizes_key: tuple[tuple[str, int], ...]
+    """``sizes`` as a key for `_block_bytes`."""
+    mp: Any
+    """The precision policy."""
+    policy: PolicyActivations
+    """What the remat and precision policies keep per example."""
+    params: list[Any]
+    """Parameter leaves in the precision policy's dtype."""
+    opt: list[Any]
+    """Optimizer state leaves."""
+    p_specs: list[P]
+    g_specs: list[P]
+    base: list[P]
+    """The gradient specs before ZeRO (tensor parallel / annotations)."""
+    sharded: list[P]
+    """The fully ZeRO-sharded gradient specs."""
+    o_specs: list[P]
+    names: list[Any]
+    """Each parameter leaf's logical axis names."""
+
+    @property
+    def profile(self) -> DeviceProfile:
+        """The devices' profile."""
+        return self.cluster.profile
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel replicas."""
+        return self.plan.data_parallel_size
+
+    @property
+    def t(self) -> int:
+        """The tensor axis's size."""
+        return self.sizes.get("tensor", 1)
+
+    @property
+    def stages(self) -> int:
+        """Pipeline stages."""
+        return self.sizes.get("stage", 1)
+
+    @property
+    def k(self) -> int:
+        """Microbatches per step."""
+        return self.plan.num_microbatches
+
+    @property
+    def b_local(self) -> float:
+        """Examples per data-parallel replica per step."""
+        return self.work.global_batch / self.dp
+
+    @property
+    def sequence(self) -> bool:
+        """Whether the activations between blocks are split along the sequence over the tensor axis."""
+        return self.plan.sequence_parallel and self.t > 1
+
+    def local_bytes(self, x: Any, spec: P) -> int:
+        """Bytes of leaf ``x`` on one device under ``spec`` (memoised: a search prices the same leaves many times)."""
+        return _block_bytes(tuple(x.shape), x.dtype.itemsize, spec, self.sizes_key)
+
+    def stacked(self, names: Any) -> bool:
+        """Whether a leaf with logical axis ``names`` is stacked over a scanned ``"layers"`` axis."""
+        return bool(names) and names[0] == LAYER_AXIS
+
+
+def _layout(
+    plan: ShardingPlan,
+    work: Workload,
+    tx: Optimizer,
+    profile: DeviceProfile | Cluster,
+    base_specs: Any | None,
+    sharded_specs: Any | None,
+) -> _Layout:
     sizes = {a: int(n) for a, n in plan.mesh_shape.items()}
     cluster = profile if isinstance(profile, Cluster) else Cluster(profile, 1, math.prod(sizes.values()))
-    profile = cluster.profile
     mp = precision(plan.precision)
     params = work.memo(("params", plan.precision), lambda: jax.tree.leaves(mp.cast_to_param(work.params)))
-    sizes_key = tuple(sorted(sizes.items()))
-
-    def local_bytes(x: Any, spec: P, _: Any) -> int:  # memoised: the search prices the same leaves many times
-        return _block_bytes(tuple(x.shape), x.dtype.itemsize, spec, sizes_key)
-
     policy = work.policy_activations(plan.remat, plan.precision)
     if policy is None:
         raise PlanningError(
             f"remat={plan.remat!r} precision={plan.precision!r} cannot be priced: the model's step does not call a "
             "library apply function, so the policies would not apply; plan with remat='none' and precision='fp32'"
         )
-    k = plan.num_microbatches
     p_specs, g_specs = _specs(plan.param_specs), _specs(plan.grad_specs)
     base = _specs(base_specs) if base_specs is not None else g_specs
     sharded = _specs(sharded_specs) if sharded_specs is not None else g_specs
     opt = work.memo(("opt", id(tx)), lambda: jax.tree.leaves(work.opt_state(tx)))
     o_specs = _specs(plan.opt_specs)
-    dp, t = plan.data_parallel_size, sizes.get("tensor", 1)
-    stages = sizes.get("stage", 1)
-    b_local = work.global_batch / dp
-
-    param_local = sum(local_bytes(x, s, sizes) for x, s in zip(params, p_specs, strict=True))
-    opt_local = sum(local_bytes(x, s, sizes) for x, s in zip(opt, o_specs, strict=True))
-    grad_full = [local_bytes(x, bs, sizes) for x, bs in zip(params, base, strict=True)]
-    grads_full = sum(grad_full)
-    # ZeRO-3 gathers a full copy of each sharded leaf for its use (the local shard stays in the arguments)
-    # (a leaf stacked over a scanned "layers" axis is gathered a layer at a time, the next one prefetched)
-    names_ = work.memo(("names",), lambda: logical_names(work.params))
-    gathered = sum(
-        g * (min(2 / x.shape[0], 1.0) if names and names[0] == LAYER_AXIS else 1.0)
-        for g, ps, bs, x, names in zip(grad_full, p_specs, base, params, names_, strict=True)
-        if spec_axes(ps) != spec_axes(bs)
+    names = work.memo(("names",), lambda: logical_names(work.params))
+    sizes_key = tuple(sorted(sizes.items()))
+    return _Layout(
+        plan, work, cluster, sizes, sizes_key, mp, policy, params, opt, p_specs, g_specs, base, sharded, o_specs, names
     )
-    sequence = plan.sequence_parallel and t > 1
-    act_per_example, split_share, reshard, cuts = work.tensor_split(tuple(_tensor_dim(bs) for bs in base), t, sequence)
+
+
+class _Activations(NamedTuple):
+    """The activations per example after the tensor (and sequence) split, and what the policies keep of them."""
+
+    split: float
+    """Every activation, after the tensor / sequence split (what the step writes and reads)."""
+    kept: float
+    """The remat and precision policies' share of ``split``: what is saved for the backward."""
+    split_share: float
+    """Fraction of the matmul FLOPs computed split over the tensor axis."""
+    resharded: float
+    """Bytes per example whose split the ops cannot carry (gathered forward, reduce-scattered backward)."""
+    cuts: int
+    """Reshapes that cut the tensor-split dim unevenly."""
+
+
+def _activations(lay: _Layout) -> _Activations:
+    work = lay.work
+    act_per_example, split_share, reshard, cuts = work.tensor_split(
+        tuple(_tensor_dim(bs) for bs in lay.base), lay.t, lay.sequence
+    )
     split_act = act_per_example  # every activation, after the tensor / sequence split
     if work.activation_bytes_per_example:  # the policy's share of the (tensor-split) activations
-        act_per_example *= policy.bytes_per_example / work.activation_bytes_per_example
-    act = act_per_example * b_local / k
+        act_per_example *= lay.policy.bytes_per_example / work.activation_bytes_per_example
+    return _Activations(split_act, act_per_example, split_share, reshard, cuts)
+
+
+class _Memory(NamedTuple):
+    """Bytes per device, and what fitting them costs in FLOPs."""
+
+    parts: dict[str, float]
+    """state, batch, temporaries, total."""
+    flops_factor: float
+    """The remat policy's FLOPs factor, raised where the stack's compiler recomputes activations to fit."""
+    opt_local: float
+    """Optimizer state bytes on one device (the update streams them)."""
+
+
+def _memory(lay: _Layout, acts: _Activations) -> _Memory:
+    """The state (parameters and optimizer state as sharded, over the pipeline stages), the local batch and the
+    larger of the step's two temporary peaks."""
+    params, stages = lay.params, lay.stages
+    param_local = sum(lay.local_bytes(x, s) for x, s in zip(params, lay.p_specs, strict=True))
+    opt_local = sum(lay.local_bytes(x, s) for x, s in zip(lay.opt, lay.o_specs, strict=True))
+    grad_full = [lay.local_bytes(x, bs) for x, bs in zip(params, lay.base, strict=True)]
+    gathered = _zero3_gathered(lay, grad_full)
+    act = acts.kept * lay.b_local / lay.k
     if stages > 1:  # 1F1B: at most S microbatches in flight at the first stage, each holding that stage's share
-        act = act_per_example * (b_local / k) * min(k, stages)
-    accumulator = sum(local_bytes(x, s, sizes) for x, s in zip(params, g_specs, strict=True)) if k > 1 else 0.0
-    batch = tree_bytes(work.batch) / dp
+        act = acts.kept * (lay.b_local / lay.k) * min(lay.k, stages)
+    accumulator = sum(lay.local_bytes(x, s) for x, s in zip(params, lay.g_specs, strict=True)) if lay.k > 1 else 0.0
+    batch = tree_bytes(lay.work.batch) / lay.dp
     state = (param_local + opt_local) / stages
-    # Two peaks: the backward's start (every residual, the gathered parameters and the first, largest gradient
-    # leaf) and the gradient reduction (one combined collective: its full input and its output both live).
-    if dp == 1:
-        reduction = grads_full
-    elif plan.zero_stage >= 2 and profile.native_reduce_scatter:  # + the scattered output
-        reduction = grads_full + sum(local_bytes(x, s, sizes) for x, s in zip(params, g_specs, strict=True))
-    else:  # all-reduced (on CPU also under ZeRO-2/3: an all-reduce and a slice)
-        reduction = 2 * grads_full
+    reduction = _reduction_bytes(lay, sum(grad_full))
     # a compute dtype other than the parameters' makes a cast copy of the (local) parameters for the step
+    mp = lay.mp
     cast = (
         param_local * mp.compute_dtype.itemsize / mp.param_dtype.itemsize if mp.compute_dtype != mp.param_dtype else 0.0
     )
@@ -242,107 +349,198 @@ def estimate(
         return (max(act + gathered + max(grad_full, default=0), reduction) + accumulator + cast) / stages
 
     temp = temporaries(act)
+    over = state + batch + temp - (lay.profile.memory_bytes or math.inf)
+    drop, factor = _compiler_recompute(lay, act, over)
+    if drop > 0:
+        temp = temporaries(act - drop)
+    return _Memory(
+        {"state": state, "batch": batch, "temporaries": temp, "total": state + batch + temp}, factor, opt_local
+    )
+
+
+def _zero3_gathered(lay: _Layout, grad_full: list[int]) -> float:
+    """Bytes of the full copies ZeRO-3 gathers of its sharded leaves for their use (the local shard stays in the
+    arguments); a leaf stacked over a scanned "layers" axis is gathered a layer at a time, the next one prefetched."""
+    return sum(
+        g * (min(2 / x.shape[0], 1.0) if lay.stacked(names) else 1.0)
+        for g, ps, bs, x, names in zip(grad_full, lay.p_specs, lay.base, lay.params, lay.names, strict=True)
+        if spec_axes(ps) != spec_axes(bs)
+    )
+
+
+def _reduction_bytes(lay: _Layout, grads_full: float) -> float:
+    """The gradient reduction's peak: one combined collective whose full input and output are both live. Two peaks
+    bound the temporaries: the backward's start (every residual, the gathered parameters and the first, largest
+    gradient leaf) and this one."""
+    if lay.dp == 1:
+        return grads_full
+    if lay.plan.zero_stage >= 2 and lay.profile.native_reduce_scatter:  # + the scattered output
+        return grads_full + sum(lay.local_bytes(x, s) for x, s in zip(lay.params, lay.g_specs, strict=True))
+    return 2 * grads_full  # all-reduced (on CPU also under ZeRO-2/3: an all-reduce and a slice)
+
+
+def _compiler_recompute(lay: _Layout, act: float, over: float) -> tuple[float, float]:
+    """(activation bytes the stack's compiler drops to fit when the step is ``over`` the device's memory, the FLOPs
+    factor with their recomputation): the compiler recomputes the overflow, that share of the way to the full
+    recomputation of remat "full"."""
+    plan, policy = lay.plan, lay.policy
     factor = policy.flops_factor
-    over = state + batch + temp - (profile.memory_bytes or math.inf)
-    if cluster.stack.compiler_remat and over > 0 and plan.remat not in ("full", "offload"):
-        full = work.policy_activations("full", plan.precision)
+    if lay.cluster.stack.compiler_remat and over > 0 and plan.remat not in ("full", "offload"):
+        full = lay.work.policy_activations("full", plan.precision)
         droppable = act * (1 - full.bytes_per_example / policy.bytes_per_example) if full else 0.0
-        if droppable > 0:  # the compiler recomputes the overflow: that share of the way to full recomputation
-            drop = min(over * stages, droppable)
-            factor += drop / droppable * (full.flops_factor - policy.flops_factor)
-            temp = temporaries(act - drop)
-    memory = {"state": state, "batch": batch, "temporaries": temp, "total": state + batch + temp}
-    # every activation is written in the forward and read in the backward, the recomputed ones once more
-    act_traffic = 2 * split_act * b_local * factor
+        if droppable > 0:
+            drop = min(over * lay.stages, droppable)
+            return drop, factor + drop / droppable * (full.flops_factor - policy.flops_factor)
+    return 0.0, factor
 
-    comm = {"gather": 0.0, "grad": 0.0, "tensor": 0.0}  # seconds by what the collectives move
-    comm_b = 0.0
-    upd_param = 0.0  # parameter bytes each device updates
 
-    def coll(kind: str, nbytes: float, axes: tuple[str, ...], messages: float = 1.0, what: str = "gather") -> None:
+class _Collectives:
+    """The step's collectives, each priced as it is added: seconds by what they move (``"gather"``: ZeRO-3's
+    parameter gathers, ``"grad"``: gradient reductions, ``"tensor"``: tensor-parallel activations) and the bytes
+    each device sends."""
+
+    def __init__(self, lay: _Layout) -> None:
+        self.lay = lay
+        self.seconds = {"gather": 0.0, "grad": 0.0, "tensor": 0.0}
+        self.bus_bytes = 0.0
+        self._gradients: dict[tuple[str, tuple[str, ...]], float] = {}
+
+    def add(self, kind: str, nbytes: float, axes: tuple[str, ...], messages: float = 1.0, what: str = "gather") -> None:
         """``nbytes`` (the replica's, of which a stage moves its share) over ``axes`` in ``messages`` equal
         collectives, each priced at its own message size."""
-        nonlocal comm_b
+        sizes, stages = self.lay.sizes, self.lay.stages
         n = math.prod(sizes.get(a, 1) for a in axes)
         nbytes /= stages  # every collective is per layer: a stage's devices move their layers' share
         if n > 1 and nbytes > 0:
             count = max(messages / stages, 1.0)
-            comm[what] += count * cluster.collective_seconds(kind, nbytes / count, sizes, axes)
-            comm_b += bus_bytes(kind, nbytes, n)
+            self.seconds[what] += count * self.lay.cluster.collective_seconds(kind, nbytes / count, sizes, axes)
+            self.bus_bytes += bus_bytes(kind, nbytes, n)
 
-    combined: dict[tuple[str, tuple[str, ...]], float] = {}  # gradient reductions: XLA's combiners fuse them per kind
+    def reduce_gradient(self, kind: str, nbytes: float, axes: tuple[str, ...]) -> None:
+        """A gradient reduction, combined with the others of its kind and group (XLA's combiners fuse them)."""
+        if math.prod(self.lay.sizes.get(a, 1) for a in axes) > 1 and nbytes > 0:
+            self._gradients[(kind, axes)] = self._gradients.get((kind, axes), 0.0) + nbytes
 
-    def grad_sync(kind: str, nbytes: float, axes: tuple[str, ...]) -> None:
-        if math.prod(sizes.get(a, 1) for a in axes) > 1 and nbytes > 0:
-            combined[(kind, axes)] = combined.get((kind, axes), 0.0) + nbytes
+    def add_gradient_reductions(self) -> None:
+        """Price the combined gradient reductions, one message per kind and group."""
+        for (kind, axes), size in self._gradients.items():
+            self.add(kind, size, axes, what="grad")
 
+
+def _communication(lay: _Layout, acts: _Activations) -> tuple[_Collectives, float]:
+    """(the step's collectives, the parameter bytes each device updates)."""
+    comm = _Collectives(lay)
+    updated = _parameter_collectives(lay, comm)
+    comm.add_gradient_reductions()
+    if lay.t > 1:
+        _tensor_collectives(lay, acts, comm)
+    return comm, updated
+
+
+def _parameter_collectives(lay: _Layout, comm: _Collectives) -> float:
+    """Add each parameter leaf's gradient reduction and ZeRO-3 gather to ``comm``; the parameter bytes each device
+    updates."""
+    plan, sizes = lay.plan, lay.sizes
+    native = plan.zero_stage >= 2 and lay.profile.native_reduce_scatter
     dp_axes = tuple(spec_axes(plan.batch_spec))
-    for x, zs, bs, names in zip(params, sharded, base, names_, strict=True):
-        full = local_bytes(x, bs, sizes)
+    updated = 0.0
+    for x, zs, bs, names in zip(lay.params, lay.sharded, lay.base, lay.names, strict=True):
+        full = lay.local_bytes(x, bs)
         z = _group(zs, bs) if plan.zero_stage >= 1 else ()
-        if plan.zero_stage >= 2 and profile.native_reduce_scatter:
-            grad_sync("reduce_scatter", full, z)
-            grad_sync("all_reduce", full / math.prod(sizes[a] for a in z), tuple(a for a in dp_axes if a not in z))
+        if native:
+            comm.reduce_gradient("reduce_scatter", full, z)
+            comm.reduce_gradient(
+                "all_reduce", full / math.prod(sizes[a] for a in z), tuple(a for a in dp_axes if a not in z)
+            )
         else:
-            grad_sync("all_reduce", full, dp_axes)
-        coll("all_gather", full, z, int(x.shape[0]) if names and names[0] == LAYER_AXIS else 1)  # a layer a time
-        upd_param += full / math.prod(sizes[a] for a in z)
-    for (kind, axes), size in combined.items():
-        coll(kind, size, axes, what="grad")
-    tokens = b_local * work.tokens_per_example
-    if t > 1:
-        for x, bs, names in zip(params, base, names_, strict=True):
-            width, layers = _tensor_activation_width(tuple(x.shape), bs, bool(names) and names[0] == LAYER_AXIS)
-            if width and sequence:  # a reduce-scatter into the sequence split, an all-gather out of it
-                nbytes = layers * tokens * width * work.activation_itemsize
-                coll("reduce_scatter", nbytes, ("tensor",), k * layers, what="tensor")
-                coll("all_gather", nbytes, ("tensor",), k * layers, what="tensor")
-            elif width:  # per microbatch and layer
-                nbytes = layers * tokens * width * work.activation_itemsize
-                coll("all_reduce", nbytes, ("tensor",), k * layers, what="tensor")
-        # values whose split the ops cannot carry are gathered forward and reduce-scattered backward
-        coll("all_gather", reshard * b_local, ("tensor",), k, what="tensor")
-        coll("reduce_scatter", reshard * b_local, ("tensor",), k, what="tensor")
-    split = 1 - split_share + split_share / t  # the share of a replica's per-example work one device does
-    flops = work.flops_per_example * b_local * split * factor
-    if stages > 1:  # the pipeline's backward recomputes its chunk's forward from the stored input
-        flops *= 4 / 3
-    stack = cluster.stack
-    peak = profile.peak_flops
-    eff = functools.partial(matmul_efficiency, work, profile, b_local / k, t, split_share)
-    priced_apart = stack.causal_skip or stack.attention_efficiency is not None or not stack.fused
-    aw = work.attention_work() if priced_apart or not stack.flash_attention else None
+            comm.reduce_gradient("all_reduce", full, dp_axes)
+        comm.add("all_gather", full, z, int(x.shape[0]) if lay.stacked(names) else 1)  # a layer at a time
+        updated += full / math.prod(sizes[a] for a in z)
+    return updated
+
+
+def _tensor_collectives(lay: _Layout, acts: _Activations, comm: _Collectives) -> None:
+    """Add the tensor-parallel activation collectives to ``comm``: per microbatch and layer, an all-reduce of each
+    tensor-split matmul's activation (under sequence parallelism a reduce-scatter into the sequence split and an
+    all-gather out of it), and the values whose split the ops cannot carry, gathered forward and reduce-scattered
+    backward."""
+    k, b_local = lay.k, lay.b_local
+    tokens = b_local * lay.work.tokens_per_example
+    for x, bs, names in zip(lay.params, lay.base, lay.names, strict=True):
+        width, layers = _tensor_activation_width(tuple(x.shape), bs, lay.stacked(names))
+        if width and lay.sequence:  # a reduce-scatter into the sequence split, an all-gather out of it
+            nbytes = layers * tokens * width * lay.work.activation_itemsize
+            comm.add("reduce_scatter", nbytes, ("tensor",), k * layers, what="tensor")
+            comm.add("all_gather", nbytes, ("tensor",), k * layers, what="tensor")
+        elif width:  # per microbatch and layer
+            nbytes = layers * tokens * width * lay.work.activation_itemsize
+            comm.add("all_reduce", nbytes, ("tensor",), k * layers, what="tensor")
+    comm.add("all_gather", acts.resharded * b_local, ("tensor",), k, what="tensor")
+    comm.add("reduce_scatter", acts.resharded * b_local, ("tensor",), k, what="tensor")
+
+
+def _compute_seconds(lay: _Layout, acts: _Activations, flops: float, aw: AttentionWork | None) -> float:
+    """Seconds of the step's matmul FLOPs on one device, each matmul at the efficiency of its size; attention's at
+    the stack's kernel rate, its masked half skipped by a flash kernel, where the stack prices it apart."""
+    stack, peak = lay.cluster.stack, lay.profile.peak_flops
+    eff = functools.partial(matmul_efficiency, lay.work, lay.profile, lay.b_local / lay.k, lay.t, acts.split_share)
     if aw is not None and aw.attention_share and (stack.causal_skip or stack.attention_efficiency is not None):
         # attention's matmuls at the kernel's own rate, the masked half skipped by a flash kernel
         att = flops * aw.attention_share * (0.5 if stack.causal_skip and aw.masked else 1.0)
         att_s = att / (peak * (stack.attention_efficiency or eff(True)))
-        compute = flops * (1 - aw.attention_share) / (peak * eff(False)) + att_s
-    else:
-        compute = flops / (peak * eff())
-    mem_bytes = act_traffic + 2 * upd_param + upd_param + 2 * opt_local
+        return flops * (1 - aw.attention_share) / (peak * eff(False)) + att_s
+    return flops / (peak * eff())
+
+
+def _memory_traffic(
+    lay: _Layout, acts: _Activations, mem: _Memory, aw: AttentionWork | None, split: float, updated: float
+) -> float:
+    """Bytes the step streams through device memory: every activation written in the forward and read in the
+    backward (the recomputed ones once more), the update's parameters and optimizer state, and under an eager
+    stack every elementwise op's inputs and outputs and attention scores written apart."""
+    stack, b_local, factor = lay.cluster.stack, lay.b_local, mem.flops_factor
+    act_traffic = 2 * acts.split * b_local * factor
+    mem_bytes = act_traffic + 2 * updated + updated + 2 * mem.opt_local
     if aw is not None and not stack.fused:  # eager: every elementwise op reads and writes device memory, the
         # backward about twice the forward (the output's gradient and the saved inputs read, the input's written)
-        scale = mp.compute_dtype.itemsize / work.activation_itemsize
+        scale = lay.mp.compute_dtype.itemsize / lay.work.activation_itemsize
         mem_bytes += 3 * aw.elementwise_bytes * scale * b_local * split * factor - act_traffic
     if aw is not None and not stack.flash_attention:  # scores written and read by separate kernels
-        again = stack.score_bytes_forward if plan.remat != "none" else 0.0  # recomputed with the block
-        mem_bytes += aw.score_elements * b_local / t * (stack.score_bytes + again)
-    offload = 2 * policy.host_bytes_per_example * b_local / profile.host_bandwidth  # out to the host and back
-    bandwidth = profile.memory_seconds(mem_bytes, memory["total"])  # a small step streams from the caches
+        again = stack.score_bytes_forward if lay.plan.remat != "none" else 0.0  # recomputed with the block
+        mem_bytes += aw.score_elements * b_local / lay.t * (stack.score_bytes + again)
+    return mem_bytes
+
+
+def _step_time(lay: _Layout, acts: _Activations, mem: _Memory, comm: _Collectives, updated: float) -> dict[str, float]:
+    """Seconds per step by part, per device: a stage does 1/S of its replica's work and waits in the bubble; the
+    collectives hide under the work where the compiler overlaps them, except those the stack cannot overlap."""
+    plan, profile, stack, stages = lay.plan, lay.profile, lay.cluster.stack, lay.stages
+    split = 1 - acts.split_share + acts.split_share / lay.t  # the share of a replica's per-example work one device does
+    flops = lay.work.flops_per_example * lay.b_local * split * mem.flops_factor
+    if stages > 1:  # the pipeline's backward recomputes its chunk's forward from the stored input
+        flops *= 4 / 3
+    priced_apart = stack.causal_skip or stack.attention_efficiency is not None or not stack.fused
+    aw = lay.work.attention_work() if priced_apart or not stack.flash_attention else None
+    compute = _compute_seconds(lay, acts, flops, aw)
+    mem_bytes = _memory_traffic(lay, acts, mem, aw, split, updated)
+    offload = 2 * lay.policy.host_bytes_per_example * lay.b_local / profile.host_bandwidth  # to the host and back
+    bandwidth = profile.memory_seconds(mem_bytes, mem.parts["total"])  # a small step streams from the caches
     bubble = 1.0
     if stages > 1:  # interleaving V chunks per stage divides the fill and drain by V (Narayanan et al. 2021)
         virtual = plan.pipeline_virtual if plan.pipeline_schedule == "interleaved" else 1
         bubble += (stages - 1) / (virtual * max(plan.num_microbatches, stages))
     # each further microbatch is one more trip through the accumulation loop (a launch's fixed cost)
-    launches = 1 if stages > 1 else k  # a pipeline's microbatches are ticks of one program
+    launches = 1 if stages > 1 else lay.k  # a pipeline's microbatches are ticks of one program
     work_s = (compute + bandwidth + offload) / stages * bubble
-    comm_s = sum(comm.values())
+    comm_s = sum(comm.seconds.values())
     # what the stack cannot overlap waits: a tensor-parallel all-reduce between two dependent matmuls, a
     # gradient reduction issued after the backward
-    exposed = (0.0 if stack.tensor_overlap else comm["tensor"]) + (0.0 if stack.grad_overlap else comm["grad"])
+    exposed = (0.0 if stack.tensor_overlap else comm.seconds["tensor"]) + (
+        0.0 if stack.grad_overlap else comm.seconds["grad"]
+    )
     hidden = max(work_s, comm_s - exposed) + exposed
     total = (hidden if profile.overlap else work_s + comm_s) + profile.launch_seconds * launches
-    time = {  # per device: a stage does 1/S of its replica's work, and waits in the bubble
+    return {  # per device: a stage does 1/S of its replica's work, and waits in the bubble
         "compute": compute / stages,
         "memory": bandwidth / stages,
         "offload": offload / stages,
@@ -352,4 +550,3 @@ def estimate(
         "launch": profile.launch_seconds,
         "total": total,
     }
-    return Estimate(memory, time, comm_b, cuts, factor)
