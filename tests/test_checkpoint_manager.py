@@ -196,3 +196,29 @@ def test_bad_inputs_raise_typed_errors(tmp_path):
             ckpt.restore({"x": jax.ShapeDtypeStruct((3,), jnp.float32)})
         with pytest.raises(CheckpointMismatchError, match=r"added .*\['y'\]"):
             ckpt.restore({"x": state["x"], "y": state["x"]})
+
+
+@pytest.mark.timeout(120)
+def test_a_machine_that_lost_its_local_disk_resumes_from_the_replica(tmp_path):
+    """TrainerCheckpoint (what Trainer, `openhosti train` and the GPT job resume through) with the local directory
+    gone restores the newest replicated step bit for bit; a replica step whose copy was cut short (its checksum
+    records, copied last, missing) is never taken for a good one."""
+    from openhosti_jax.checkpoint.checksums import record_files
+    from openhosti_jax.train.resume import TrainerCheckpoint
+
+    local, replica = tmp_path / "local", tmp_path / "replica"
+    states = {s: {"w": jnp.arange(6.0) * s, "step": jnp.asarray(s)} for s in (2, 4, 6)}
+    ckpt = TrainerCheckpoint(local, every_minutes=None, every_steps=2, keep=3, replicate_to=replica)
+    for s, state in states.items():
+        assert ckpt.save(s, state, None)
+    ckpt.close()
+    assert ckpt.manager.replica_steps() == [2, 4, 6]
+    for record in record_files(replica / "6"):  # the newest upload was killed before its commit
+        record.unlink()
+    shutil.rmtree(local)  # the machine was replaced: its local disk is empty
+    fresh = TrainerCheckpoint(local, every_minutes=None, every_steps=2, keep=3, replicate_to=replica)
+    assert fresh.manager.good_steps() == [] and fresh.newest_step() == 4
+    restored = fresh.restore_latest(jax.tree.map(jnp.zeros_like, states[4]), None)
+    assert fresh.resumed_from == 4
+    np.testing.assert_array_equal(restored["w"], states[4]["w"])
+    fresh.close()
