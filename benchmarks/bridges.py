@@ -202,7 +202,7 @@ def _ddp_worker(rounds: int = 7, steps: int = 10, seq: int = 128) -> None:
     """One of 2 processes: times torch DDP and OptimizedDDP steps, alternating, and prints the ratios."""
     import torch.distributed as dist
 
-    from openhosti_jax.train.torch_ddp import OptimizedDDP
+    from openhosti_jax.frontends.torch_ddp import OptimizedDDP
 
     dist.init_process_group("gloo")
     torch.manual_seed(0)
@@ -305,7 +305,7 @@ def _count_worker() -> None:
     one forward alone) and the transfers through the host (explicit or implicit; device to device: implicit) that
     JAX's transfer guards log to stderr."""
     from openhosti_jax.bridges.torch_lowering import import_torchax
-    from openhosti_jax.train.torch_ddp import OptimizedDDP
+    from openhosti_jax.frontends.torch_ddp import OptimizedDDP
 
     import_torchax()
     runs: list = []

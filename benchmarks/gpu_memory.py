@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     from flax import nnx
 
     from openhosti_jax import MeshConfig, build_mesh, create_train_state, spmd
-    from openhosti_jax.models.examples import gpt_step
+    from openhosti_jax.demo.examples import gpt_step
     from openhosti_jax.models.gpt import GPT, GPTConfig
     from openhosti_jax.planner.cost import estimate
     from openhosti_jax.planner.profiles import PROFILES

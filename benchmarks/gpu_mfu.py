@@ -56,9 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     from jax.sharding import PartitionSpec as P
 
     from openhosti_jax import MeshConfig, build_mesh, create_train_state, spmd
+    from openhosti_jax.demo.gpt_job import gpt_loss_fn
     from openhosti_jax.microbatch import compiled_peak_bytes, find_microbatch, make_train_step
     from openhosti_jax.models.gpt import GPT, GPTConfig, make_corpus, next_token_loss
-    from openhosti_jax.models.gpt_job import gpt_loss_fn
 
     if args.small:
         cfg = GPTConfig.tiny(dtype="bfloat16")

@@ -42,9 +42,9 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from openhosti_jax.demo.examples import gpt_step  # noqa: E402
 from openhosti_jax.errors import MemoryBudgetError  # noqa: E402
 from openhosti_jax.mesh import MeshConfig, build_mesh  # noqa: E402
-from openhosti_jax.models.examples import gpt_step  # noqa: E402
 from openhosti_jax.models.gpt import GPT, GPTConfig  # noqa: E402
 from openhosti_jax.planner import choose_plan  # noqa: E402
 from openhosti_jax.planner.verify import lower_step  # noqa: E402

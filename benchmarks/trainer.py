@@ -26,8 +26,8 @@ import jax.numpy as jnp  # noqa: E402
 
 from openhosti_jax import MeshConfig, Trainer, build_mesh  # noqa: E402
 from openhosti_jax.data import ArrayDataset  # noqa: E402
+from openhosti_jax.demo.gpt_job import GPTJob, build_job  # noqa: E402
 from openhosti_jax.models.gpt import GPTConfig, make_corpus  # noqa: E402
-from openhosti_jax.models.gpt_job import GPTJob, build_job  # noqa: E402
 from openhosti_jax.state.layout import step_of  # noqa: E402
 
 ROUNDS, STEPS, LOG_EVERY = (4, 10, 10) if goals.QUICK else (12, 20, 10)

@@ -44,9 +44,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import jax
 
+    from openhosti_jax.demo.gpt_job import GPTJob, build_job, kept_plan, plan_meta
     from openhosti_jax.mesh import MeshConfig
     from openhosti_jax.models.gpt import GPTConfig
-    from openhosti_jax.models.gpt_job import GPTJob, build_job, kept_plan, plan_meta
     from openhosti_jax.train import Trainer, TrainerCheckpoint
 
     found = detect_launch()

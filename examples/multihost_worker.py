@@ -32,8 +32,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import jax
 
+    from openhosti_jax.demo.gpt_job import GPTJob, build_job
     from openhosti_jax.mesh import MeshConfig
-    from openhosti_jax.models.gpt_job import GPTJob, build_job
     from openhosti_jax.train import Trainer
 
     print(f"process {jax.process_index()}/{jax.process_count()} pid {os.getpid()} devices {jax.device_count()}")

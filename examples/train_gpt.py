@@ -30,8 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={args.devices}")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+    from openhosti_jax.demo.gpt_job import GPTJob, run_job
     from openhosti_jax.models.gpt import GPTConfig
-    from openhosti_jax.models.gpt_job import GPTJob, run_job
 
     job = GPTJob(
         model=GPTConfig(seq_len=64, d_model=128, n_heads=4, n_layers=2),

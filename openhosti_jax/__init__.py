@@ -1,7 +1,9 @@
 """openhosti_jax: JAX-first SPMD training. See README.md for the quick start.
 
 Subpackages not re-exported here (import them by name): `openhosti_jax.pipeline`, `openhosti_jax.balance`,
-`openhosti_jax.bridges` (PyTorch / TensorFlow, imported lazily), `openhosti_jax.report`.
+`openhosti_jax.bridges` (PyTorch / TensorFlow plumbing, imported lazily), `openhosti_jax.frontends` (the doors for
+other frameworks: `OptimizedDDP` below, and `openhosti_jax.frontends.keras.Strategy`), `openhosti_jax.report`,
+`openhosti_jax.models` (pure model code) and `openhosti_jax.demo` (the bundled demo job).
 """
 
 from openhosti_jax import errors
@@ -28,7 +30,7 @@ __version__ = "0.1.0"
 def __getattr__(name: str) -> object:
     """``OptimizedDDP`` on first use: it imports torch, which ``import openhosti_jax`` does not."""
     if name == "OptimizedDDP":
-        from openhosti_jax.train.torch_ddp import OptimizedDDP
+        from openhosti_jax.frontends.torch_ddp import OptimizedDDP
 
         return OptimizedDDP
     raise AttributeError(f"module 'openhosti_jax' has no attribute {name!r}")

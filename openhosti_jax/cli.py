@@ -97,9 +97,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     devices = _use_devices(args.devices, args.accelerator)
     import jax
 
+    from openhosti_jax.demo.gpt_job import GPTJob, build_resumable_job
     from openhosti_jax.mesh import MeshConfig, build_mesh
     from openhosti_jax.models.gpt import GPTConfig
-    from openhosti_jax.models.gpt_job import GPTJob, build_resumable_job
     from openhosti_jax.report.memory import plan_record
     from openhosti_jax.report.rundir import LOG, METRICS, PLAN_JSON, PLAN_TXT, write_json
     from openhosti_jax.train import Trainer, TrainerCheckpoint
@@ -172,7 +172,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     """Print the planner's report for a bundled example model."""
     devices = _use_devices(args.devices, args.accelerator)
-    plan_example = _import("openhosti_jax.models.examples", "plan_example")
+    plan_example = _import("openhosti_jax.demo.examples", "plan_example")
     _, report, header = plan_example(args.example, devices=devices, memory_budget=args.memory_budget)
     print(header)
     print(report)

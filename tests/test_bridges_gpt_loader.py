@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from openhosti_jax import ArrayDataset, MeshConfig, build_mesh
+from openhosti_jax.demo.gpt_job import GPTJob, build_job
 from openhosti_jax.models.gpt import make_corpus
-from openhosti_jax.models.gpt_job import GPTJob, build_job
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.torch

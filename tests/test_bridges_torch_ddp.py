@@ -13,8 +13,8 @@ if importlib.util.find_spec("torchax") is None:  # imported through the shim onl
     pytest.skip("needs torchax (the torch extra)", allow_module_level=True)
 
 from openhosti_jax.bridges.torch_lowering import import_torchax  # noqa: E402
+from openhosti_jax.frontends.torch_ddp import OptimizedDDP  # noqa: E402
 from openhosti_jax.mesh import MeshConfig, build_mesh  # noqa: E402
-from openhosti_jax.train.torch_ddp import OptimizedDDP  # noqa: E402
 
 
 class TinyGPT(torch.nn.Module):

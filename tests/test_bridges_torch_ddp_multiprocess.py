@@ -26,7 +26,7 @@ def worker() -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from test_bridges_torch_ddp import TinyGPT, _loss, _train
 
-    from openhosti_jax.train.torch_ddp import OptimizedDDP
+    from openhosti_jax.frontends.torch_ddp import OptimizedDDP
 
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo")

@@ -17,7 +17,7 @@ if importlib.util.find_spec("torchax") is None:
 
 from openhosti_jax.bridges.torch_lowering import import_torchax  # noqa: E402
 from openhosti_jax.errors import BridgeError  # noqa: E402
-from openhosti_jax.train.torch_ddp import OptimizedDDP  # noqa: E402
+from openhosti_jax.frontends.torch_ddp import OptimizedDDP  # noqa: E402
 
 pytestmark = pytest.mark.torch
 

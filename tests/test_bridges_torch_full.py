@@ -13,7 +13,7 @@ if importlib.util.find_spec("torchax") is None:  # imported through the shim onl
     pytest.skip("needs torchax (the torch extra)", allow_module_level=True)
 
 from openhosti_jax.errors import BatchError, BridgeError  # noqa: E402
-from openhosti_jax.train.torch_ddp import OptimizedDDP  # noqa: E402
+from openhosti_jax.frontends.torch_ddp import OptimizedDDP  # noqa: E402
 
 
 class ConvNet(torch.nn.Module):

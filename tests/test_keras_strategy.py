@@ -1,5 +1,5 @@
-"""`openhosti_jax.keras.Strategy`: a Keras model trained from a tf.data pipeline on 8 devices equals the same model on
-one device, its kernels split as the plan says, and it resumes from its checkpoint as if never stopped.
+"""`openhosti_jax.frontends.keras.Strategy`: a Keras model trained from a tf.data pipeline on 8 devices equals the same
+model on one device, its kernels split as the plan says, and it resumes from its checkpoint as if never stopped.
 
 Keras fixes its backend at its first import, so each case runs in a fresh process (this file is the worker)."""
 
@@ -33,7 +33,7 @@ def worker(case: str, directory: str) -> None:
     import tensorflow as tf
 
     from openhosti_jax.errors import BridgeError
-    from openhosti_jax.keras import Strategy
+    from openhosti_jax.frontends.keras import Strategy
 
     out = {}
     if case == "single":  # plain Keras on one device, no distribution

@@ -1,5 +1,5 @@
-"""`openhosti_jax.keras.Strategy` read as tf.distribute code reads it: ``num_replicas_in_sync``, the two dataset
-entry points and their `InputContext`, a resumed ``fit`` that continues from its data position (which batches it
+"""`openhosti_jax.frontends.keras.Strategy` read as tf.distribute code reads it: ``num_replicas_in_sync``, the two
+dataset entry points and their `InputContext`, a resumed ``fit`` that continues from its data position (which batches it
 trains is counted), time- and step-based saves, ``plan="auto"`` through the planner, and a typed error for each
 TensorFlow-only API.
 
@@ -49,7 +49,7 @@ def case_api(keras, tf, out, directory):
     import numpy as np
 
     from openhosti_jax.errors import BatchError, BridgeError, UnsupportedError
-    from openhosti_jax.keras import Strategy
+    from openhosti_jax.frontends.keras import Strategy
     from openhosti_jax.mesh import MeshConfig, build_mesh
 
     strategy = Strategy()
@@ -101,7 +101,7 @@ def case_api(keras, tf, out, directory):
 
 
 def _per_replica(strategy):
-    from openhosti_jax.keras import InputContext
+    from openhosti_jax.frontends.keras import InputContext
 
     return InputContext(1, 0, strategy.num_replicas_in_sync).get_per_replica_batch_size(30)
 
@@ -111,7 +111,7 @@ def case_resume(keras, tf, out, directory):
     that resumes it. Each batch trained is identified by its loss: the same weights on the same batch give it."""
     import numpy as np
 
-    from openhosti_jax.keras import Strategy
+    from openhosti_jax.frontends.keras import Strategy
 
     class Crash(keras.callbacks.Callback):  # preempted after the 7th batch trained
         def on_train_batch_end(self, batch, logs=None):
@@ -167,7 +167,7 @@ def case_resume(keras, tf, out, directory):
 
 def case_saves(keras, tf, out, directory):
     """Saves by time alone: every step when steps take longer than the interval, only the last when they never do."""
-    from openhosti_jax.keras import Strategy
+    from openhosti_jax.frontends.keras import Strategy
 
     now = [0.0]
 
@@ -190,7 +190,7 @@ def case_auto(keras, tf, out, directory):
     import numpy as np
 
     from openhosti_jax.errors import BridgeError
-    from openhosti_jax.keras import Strategy
+    from openhosti_jax.frontends.keras import Strategy
 
     x, y = _arrays(80)
     keras.distribution.set_distribution(None)

@@ -1,4 +1,4 @@
-"""The parts of `openhosti_jax.keras` that need neither Keras nor TensorFlow, in the fast suite: the planner's
+"""The parts of `openhosti_jax.frontends.keras` that need neither Keras nor TensorFlow, in the fast suite: the planner's
 choice for Keras variables, the InputContext arithmetic, the save schedule's units and the batch divisibility
 rule that sends a partial batch to a replicated layout."""
 
@@ -9,10 +9,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from openhosti_jax.errors import BatchError, ConfigError, MemoryBudgetError, PlanningError
-from openhosti_jax.keras import InputContext
-from openhosti_jax.keras._backend import batch_divides
-from openhosti_jax.keras.auto import layout_for, plan_variables, spec_axes, stand_in_optimizer
-from openhosti_jax.keras.checkpoint import save_minutes
+from openhosti_jax.frontends.keras import InputContext
+from openhosti_jax.frontends.keras._backend import batch_divides
+from openhosti_jax.frontends.keras.auto import layout_for, plan_variables, spec_axes, stand_in_optimizer
+from openhosti_jax.frontends.keras.checkpoint import save_minutes
 from openhosti_jax.mesh import MeshConfig, build_mesh
 
 PARAMS = {

@@ -13,9 +13,9 @@ import pytest
 from flax import nnx
 
 import openhosti_jax as oh
+from openhosti_jax.demo.examples import gpt_step
 from openhosti_jax.errors import PlanningError, StateError
 from openhosti_jax.mesh import MeshConfig, build_mesh
-from openhosti_jax.models.examples import gpt_step
 from openhosti_jax.models.gpt import GPT, GPTConfig, next_token_loss
 from openhosti_jax.models.llama import Llama, LlamaConfig
 from openhosti_jax.planner import PROFILES, choose_plan

@@ -17,8 +17,8 @@ SAVE_AT, STEPS = 2, 4
 
 
 def _job():
+    from openhosti_jax.demo.gpt_job import GPTJob, build_job
     from openhosti_jax.mesh import MeshConfig
-    from openhosti_jax.models.gpt_job import GPTJob, build_job
 
     job = GPTJob(steps=STEPS, global_batch=16, num_sequences=256, mesh=MeshConfig(data=1, fsdp=8), progress=False)
     return build_job(job)

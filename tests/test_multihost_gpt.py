@@ -12,9 +12,9 @@ import time
 
 import pytest
 
+from openhosti_jax.demo.gpt_job import GPTJob, build_job
 from openhosti_jax.mesh import MeshConfig
 from openhosti_jax.mesh.launch import launch_local
-from openhosti_jax.models.gpt_job import GPTJob, build_job
 from openhosti_jax.train import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

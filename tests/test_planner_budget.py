@@ -5,9 +5,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from openhosti_jax.demo.examples import example_inputs, gpt_step
 from openhosti_jax.errors import MemoryBudgetError
 from openhosti_jax.mesh import device_memory_limit
-from openhosti_jax.models.examples import example_inputs, gpt_step
 from openhosti_jax.planner import PROFILES, choose_plan
 from openhosti_jax.planner import search as planner_search
 from openhosti_jax.planner.search import memory_budget_for

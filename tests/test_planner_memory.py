@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from openhosti_jax.demo.examples import EXAMPLES, example_inputs, gpt_step
 from openhosti_jax.mesh import MeshConfig, build_mesh
-from openhosti_jax.models.examples import EXAMPLES, example_inputs, gpt_step
 from openhosti_jax.planner import PROFILES, choose_plan
 from openhosti_jax.planner.search import enumerate_candidates, search
 from openhosti_jax.planner.verify import compiled_step_bytes

@@ -4,8 +4,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from openhosti_jax.demo.examples import example_inputs, gpt_step
 from openhosti_jax.mesh import MeshConfig, build_mesh
-from openhosti_jax.models.examples import example_inputs, gpt_step
 from openhosti_jax.planner import PROFILES
 from openhosti_jax.planner.propagate import propagate
 from openhosti_jax.planner.search import Candidate, score

@@ -3,7 +3,7 @@
 import optax
 import pytest
 
-from openhosti_jax.models.examples import example_inputs, gpt_step
+from openhosti_jax.demo.examples import example_inputs, gpt_step
 from openhosti_jax.planner import choose_plan
 from openhosti_jax.planner.refine import MEASURED_TIE, measured_order
 

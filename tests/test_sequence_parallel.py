@@ -11,8 +11,8 @@ import optax
 import pytest
 from flax import nnx
 
+from openhosti_jax.demo.examples import gpt_step
 from openhosti_jax.mesh import MeshConfig, build_mesh
-from openhosti_jax.models.examples import gpt_step
 from openhosti_jax.models.gpt import GPT, GPTConfig
 from openhosti_jax.models.llama import Llama, LlamaConfig
 from openhosti_jax.planner import PROFILES

@@ -39,8 +39,8 @@ def _job(directory: str, log: str, steps: int, final: str) -> None:
     import jax
 
     from openhosti_jax.checkpoint import RESTART_ENV
+    from openhosti_jax.demo.gpt_job import GPTJob, build_job
     from openhosti_jax.models.gpt import GPTConfig, make_corpus
-    from openhosti_jax.models.gpt_job import GPTJob, build_job
     from openhosti_jax.train import Trainer, TrainerCheckpoint
 
     attempt = os.environ.get(RESTART_ENV, "-")

@@ -7,8 +7,8 @@ import pytest
 
 from openhosti_jax import MeshConfig, balanced_step, build_mesh
 from openhosti_jax.balance import Throttle
+from openhosti_jax.demo.gpt_job import GPTJob, build_job, gpt_loss_fn
 from openhosti_jax.errors import BatchError, ShardingError, StateError
-from openhosti_jax.models.gpt_job import GPTJob, build_job, gpt_loss_fn
 
 JOB = GPTJob(steps=4, global_batch=32, num_sequences=256, plan="dp", progress=False)
 

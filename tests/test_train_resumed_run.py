@@ -10,7 +10,7 @@ import jax
 import pytest
 
 from openhosti_jax import MeshConfig, build_mesh
-from openhosti_jax.models.gpt_job import GPTJob, kept_plan, run_job
+from openhosti_jax.demo.gpt_job import GPTJob, kept_plan, run_job
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -35,7 +35,7 @@ def test_the_resumed_run_keeps_the_saved_plan_and_a_replan_is_honoured(tmp_path)
     first = run_job(_job(tmp_path, "zero1", 2), build_mesh(MeshConfig(data=2, fsdp=4)))
     assert len(first.history) == 2
     # Asked for another strategy on another mesh, the resumed run still trains the saved plan.
-    from openhosti_jax.models.gpt_job import build_job
+    from openhosti_jax.demo.gpt_job import build_job
     from openhosti_jax.train import TrainerCheckpoint
 
     ckpt = TrainerCheckpoint(tmp_path / "ckpt")

@@ -10,9 +10,9 @@ import pytest
 from flax import nnx
 
 from openhosti_jax import MeshConfig, build_mesh, create_train_state, spmd
+from openhosti_jax.demo.gpt_job import GPTJob, build_job
 from openhosti_jax.errors import BatchError
 from openhosti_jax.models.gpt import GPTConfig
-from openhosti_jax.models.gpt_job import GPTJob, build_job
 
 JOB = GPTJob(model=GPTConfig.tiny(), steps=20, global_batch=16, num_sequences=512, progress=False)
 

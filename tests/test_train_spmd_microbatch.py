@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 from openhosti_jax import MeshConfig, build_mesh, spmd
+from openhosti_jax.demo.gpt_job import GPTJob, build_job, gpt_train_step
 from openhosti_jax.errors import BatchError
 from openhosti_jax.microbatch import peak_bytes
-from openhosti_jax.models.gpt_job import GPTJob, build_job, gpt_train_step
 
 JOB = GPTJob(steps=3, global_batch=32, num_sequences=256, progress=False)
 

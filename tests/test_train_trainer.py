@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from openhosti_jax import MeshConfig, Trainer, build_mesh
-from openhosti_jax.models.gpt_job import GPTJob, build_job
+from openhosti_jax.demo.gpt_job import GPTJob, build_job
 from openhosti_jax.train import read_metrics
 
 

@@ -1,7 +1,7 @@
 """The plan behind ``openhosti plan --example gpt``: the bundled GPT with Adam, planned and AOT-verified.
 
 Example:
-    >>> from openhosti_jax.models.examples import EXAMPLES
+    >>> from openhosti_jax.demo.examples import EXAMPLES
     >>> sorted(EXAMPLES)
     ['gpt', 'gpt-tiny']
 """

@@ -3,7 +3,7 @@
 Used by ``openhosti train``, ``examples/train_gpt.py``, the tests and the benchmarks.
 
 Example:
-    >>> from openhosti_jax.models.gpt_job import GPTJob, run_job
+    >>> from openhosti_jax.demo.gpt_job import GPTJob, run_job
     >>> result = run_job(GPTJob(steps=2, progress=False, print_plan=False))
     >>> len(result.history)
     2

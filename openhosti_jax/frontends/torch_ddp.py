@@ -1,7 +1,7 @@
 """`OptimizedDDP`: replace ``DistributedDataParallel(model)`` with ``OptimizedDDP(model)`` and keep the loop.
 
 ``out = model(*args, **kwargs)`` runs the module's forward as one jitted JAX program over the mesh's ``data`` axis
-(the batch split over the devices, the parameters replicated; `openhosti_jax.train.torch_dropin`): any batch size (a
+(the batch split over the devices, the parameters replicated; `openhosti_jax.frontends.torch_dropin`): any batch size (a
 DataLoader's short last batch is split unevenly, its means and statistics over the real rows), keyword and non-tensor
 arguments, outputs of any structure (tensor, tuple, dict, dataclass, transformers' ``ModelOutput``, so
 ``outputs.loss.backward()`` works). The program keeps the VJP's residuals; ``loss.backward()`` runs only the VJP
@@ -75,6 +75,7 @@ from openhosti_jax.bridges.torch_lowering import Lowered, lower, lower_function
 from openhosti_jax.bridges.torch_optim import TorchOptimizer, set_hyperparams
 from openhosti_jax.checkpoint import CheckpointManager
 from openhosti_jax.errors import BatchError, BridgeError
+from openhosti_jax.frontends.torch_dropin import DropIn, device_tensor, host_value, put_value, uneven_train_step
 from openhosti_jax.mesh import MeshConfig, build_mesh
 from openhosti_jax.mesh.distributed import initialize_distributed
 from openhosti_jax.microbatch import split_microbatches
@@ -84,7 +85,6 @@ from openhosti_jax.state.init import abstract_train_state
 from openhosti_jax.train.balanced import BalancedStep
 from openhosti_jax.train.create import Strategy, create_train_state
 from openhosti_jax.train.spmd import SpmdStep, spmd
-from openhosti_jax.train.torch_dropin import DropIn, device_tensor, host_value, put_value, uneven_train_step
 
 
 def _zero_stage(plan: Strategy) -> int | None:
@@ -191,7 +191,7 @@ class OptimizedDDP(torch.nn.Module):
                     module.state_dict()[k].copy_(torch.from_numpy(np.array(v)))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """``module(*args, **kwargs)`` as one JAX program over the data axis (`openhosti_jax.train.torch_dropin`):
+        """``module(*args, **kwargs)`` as one JAX program over the data axis (`openhosti_jax.frontends.torch_dropin`):
         any batch size, keyword and non-tensor arguments, any output structure; ``backward()`` fills ``param.grad``."""
         self.sync_module()  # the full mode's trained weights, when it has trained
         named = dict(self.module.named_parameters())

@@ -6,7 +6,7 @@ Code written for ``tf.distribute`` runs unchanged but for the line that makes th
 imported when a `Strategy` is made, not with this package.
 """
 
-from openhosti_jax.keras.data import InputContext
-from openhosti_jax.keras.strategy import TF_ONLY, Strategy
+from openhosti_jax.frontends.keras.data import InputContext
+from openhosti_jax.frontends.keras.strategy import TF_ONLY, Strategy
 
 __all__ = ["TF_ONLY", "InputContext", "Strategy"]

@@ -27,7 +27,7 @@ def keras_module() -> Any:
     try:
         import keras
     except ImportError as e:  # pragma: no cover - the extra is installed in the test environment
-        raise BridgeError("openhosti_jax.keras needs Keras 3: pip install openhosti_jax[keras]") from e
+        raise BridgeError("openhosti_jax.frontends.keras needs Keras 3: pip install openhosti_jax[keras]") from e
     if keras.backend.backend() != "jax":
         raise BridgeError(
             f"keras runs on its {keras.backend.backend()!r} backend here; Strategy needs the JAX backend: set "

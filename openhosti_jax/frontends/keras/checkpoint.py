@@ -6,8 +6,8 @@ the data position ``{"epoch", "position", "seed"}``: the epoch and how many of i
 that runs to its end records its last step in ``keras_fit.json`` beside the steps. On ``on_train_begin`` the
 newest good step is restored; if its ``fit`` was cut short, this one starts at the saved epoch (as Keras's own
 ``BackupAndRestore`` does) and, for a tf.data pipeline, skips the batches of that epoch already trained
-(`openhosti_jax.keras.data.DataPosition`); other inputs restart the epoch from its start, with a warning. After a
-finished ``fit`` a new one trains on from the restored weights and step, over its own data from its start.
+(`openhosti_jax.frontends.keras.data.DataPosition`); other inputs restart the epoch from its start, with a warning.
+After a finished ``fit`` a new one trains on from the restored weights and step, over its own data from its start.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ import numpy as np
 
 from openhosti_jax.checkpoint import CheckpointManager
 from openhosti_jax.errors import ConfigError
-from openhosti_jax.keras._backend import keras_module
+from openhosti_jax.frontends.keras._backend import keras_module
 
 if TYPE_CHECKING:
-    from openhosti_jax.keras.strategy import Strategy
+    from openhosti_jax.frontends.keras.strategy import Strategy
 
 FINISHED = "keras_fit.json"
 """Written beside the steps when a ``fit`` runs to its end: its last step (a later ``fit`` does not resume it)."""

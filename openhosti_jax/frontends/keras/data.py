@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from openhosti_jax.errors import BatchError, BridgeError
-from openhosti_jax.keras._backend import tensorflow_module
+from openhosti_jax.frontends.keras._backend import tensorflow_module
 
 
 class InputContext:

@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any
 from jax.sharding import Mesh
 
 from openhosti_jax.errors import ShardingError, UnsupportedError
-from openhosti_jax.keras._backend import install_partial_batches, keras_module, tf_gradient_tape_active
+from openhosti_jax.frontends.keras._backend import install_partial_batches, keras_module, tf_gradient_tape_active
 
 if TYPE_CHECKING:
-    from openhosti_jax.keras.strategy import Strategy
+    from openhosti_jax.frontends.keras.strategy import Strategy
 
 Axes = tuple[str | tuple[str, ...] | None, ...]
 """A layout as Keras takes it: per dim, the mesh axis (or axes) it is split over, or None."""

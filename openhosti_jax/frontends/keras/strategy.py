@@ -9,8 +9,8 @@
 
 Keras runs on its JAX backend through ``keras.distribution``: the scope sets the strategy's distribution, whose
 variable layouts are the plan's (``"fsdp"``: each variable split over the data axis as ZeRO-3 splits it, small ones
-replicated; ``"dp"``: replicated; ``"auto"``: the planner's choice, `openhosti_jax.keras.auto`) and which splits
-each batch over the batch axes. It stays the process's distribution after the scope, so ``fit``, ``evaluate`` and
+replicated; ``"dp"``: replicated; ``"auto"``: the planner's choice, `openhosti_jax.frontends.keras.auto`) and which
+splits each batch over the batch axes. It stays the process's distribution after the scope, so ``fit``, ``evaluate`` and
 ``predict`` outside it run distributed, and ``keras.saving.load_model`` builds onto the mesh. TensorFlow-only APIs
 (``run``, ``reduce``, a ``GradientTape`` loop) raise `UnsupportedError` naming what to use instead.
 """
@@ -29,11 +29,11 @@ from typing import Any
 import jax
 
 from openhosti_jax.errors import BridgeError, UnsupportedError
-from openhosti_jax.keras import auto
-from openhosti_jax.keras._backend import keras_module
-from openhosti_jax.keras.checkpoint import checkpoint_callback, save_minutes
-from openhosti_jax.keras.data import DataPosition, InputContext, check_batched, from_function
-from openhosti_jax.keras.distribution import Axes, make_distribution
+from openhosti_jax.frontends.keras import auto
+from openhosti_jax.frontends.keras._backend import keras_module
+from openhosti_jax.frontends.keras.checkpoint import checkpoint_callback, save_minutes
+from openhosti_jax.frontends.keras.data import DataPosition, InputContext, check_batched, from_function
+from openhosti_jax.frontends.keras.distribution import Axes, make_distribution
 from openhosti_jax.mesh import MeshConfig, build_mesh
 from openhosti_jax.mesh.config import BATCH_AXES
 from openhosti_jax.sharding.plan import ShardingPlan

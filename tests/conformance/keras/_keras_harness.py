@@ -1,5 +1,6 @@
 """Runs a Keras example as keras.io writes it twice in one fresh process: first on plain Keras on one device, then
-with its strategy line made ``openhosti_jax.keras.Strategy()`` (8 simulated devices), and returns both results.
+with its strategy line made ``openhosti_jax.frontends.keras.Strategy()`` (8 simulated devices), and returns both
+results.
 
 The example is a function ``example(make_strategy, workdir) -> dict`` whose first line is
 ``strategy = make_strategy()``, the one line tf.distribute code changes. The one-device run's strategy is
@@ -55,7 +56,7 @@ def worker(example) -> None:
     out = {}
     keras.utils.set_random_seed(0)
     out["single"] = example(OneDevice, os.path.join(workdir, "single"))
-    from openhosti_jax.keras import Strategy
+    from openhosti_jax.frontends.keras import Strategy
 
     keras.utils.set_random_seed(0)
     out["mesh"] = example(Strategy, os.path.join(workdir, "mesh"))

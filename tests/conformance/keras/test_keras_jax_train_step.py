@@ -1,7 +1,7 @@
 """keras.io's "Customizing what happens in fit() with JAX": a Model subclass whose ``train_step(state, data)``
 differentiates ``stateless_call`` with ``jax.value_and_grad``, applies ``optimizer.stateless_apply`` and updates
-the metrics statelessly. It is what `openhosti_jax.keras` points TF-backend ``GradientTape`` loops to, and it runs
-under the strategy unchanged."""
+the metrics statelessly. It is what `openhosti_jax.frontends.keras` points TF-backend ``GradientTape`` loops to, and it
+runs under the strategy unchanged."""
 
 import pytest
 from _keras_harness import assert_same, blobs, run, weights, worker

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from openhosti_jax.train.torch_ddp import OptimizedDDP
+from openhosti_jax.frontends.torch_ddp import OptimizedDDP
 
 TOLERANCE = 1e-4
 
