@@ -88,6 +88,33 @@ class _Pending:
     tokens: int
 
 
+@dataclasses.dataclass
+class _Loop:
+    """The running state of one `Trainer.fit`, shared by its steps, metric flushes and rollbacks."""
+
+    state: Any
+    """The training state after the last dispatched step."""
+    data_iter: Iterator[Any]
+    num_steps: int
+    result: FitResult
+    watch: Any
+    """The loss-spike watch, or None."""
+    bar: Any
+    """The progress bar."""
+    writers: list[MetricWriter]
+    applied: int
+    """Optimizer steps the state has taken, counted up to the last fetched metrics."""
+    batch_no: int
+    """The number of the last batch drawn from the data stream (1-based, skipped batches counted)."""
+    pending: list[_Pending] = dataclasses.field(default_factory=list)
+    """Dispatched steps whose metrics are still on the device."""
+    skip: set[int] = dataclasses.field(default_factory=set)
+    """Batch numbers a rollback skips."""
+    rollbacks: int = 0
+    t_flush: float = dataclasses.field(default_factory=time.perf_counter)
+    """When the metrics were last fetched (the interval's mean step time starts there)."""
+
+
 class Trainer:
     """Runs ``step(state, batch) -> (state, metrics)`` over a data iterator.
 
@@ -259,6 +286,28 @@ class Trainer:
         step. ``eval_data`` (a list, a resumable dataset, or a function returning batches) is evaluated every
         ``eval_every`` steps and at the end."""
         self._check_eval(eval_data, eval_every)
+        loop = self._start(state, data, num_steps)
+        try:
+            while loop.applied + len(loop.pending) < num_steps and self._run_batch(loop, eval_data, eval_every):
+                pass
+        except KeyboardInterrupt:
+            loop.result.interrupted = True
+        finally:
+            self._close(loop)
+        result = loop.result
+        if (
+            eval_data is not None
+            and not result.interrupted
+            and (not result.eval_history or result.eval_history[-1]["step"] != loop.applied)
+        ):
+            self._eval_record(loop, eval_data)
+        for w in loop.writers:
+            w.close()
+        result.state = loop.state
+        return result
+
+    def _start(self, state: Any, data: Iterable[Any], num_steps: int) -> _Loop:
+        """The loop's state at the start: resumed from the checkpoint's latest good step where there is one."""
         data_iter = self._data(data)
         batch_no = 0
         events: list[dict[str, Any]] = []
@@ -275,139 +324,116 @@ class Trainer:
                 f"resumed from the checkpoint at step {applied}: "
                 + (f"{left} of {num_steps} steps left" if left else f"the run is already complete ({num_steps} steps)")
             )
-        result = FitResult(state, [], events=events)
-        watch = self.spikes.watch() if self.spikes is not None else None
-        skip: set[int] = set()
-        rollbacks = 0
-        pending: list[_Pending] = []
-        bar = tqdm(total=num_steps, initial=applied, disable=not self.progress, dynamic_ncols=True, unit="step")
-        writers: list[MetricWriter] = [MetricsLog(self.metrics_path)] if self.metrics_path else []
-        writers += self.writers
-        t_flush = time.perf_counter()
+        return _Loop(
+            state=state,
+            data_iter=data_iter,
+            num_steps=num_steps,
+            result=FitResult(state, [], events=events),
+            watch=self.spikes.watch() if self.spikes is not None else None,
+            bar=tqdm(total=num_steps, initial=applied, disable=not self.progress, dynamic_ncols=True, unit="step"),
+            writers=([MetricsLog(self.metrics_path)] if self.metrics_path else []) + self.writers,
+            applied=applied,
+            batch_no=batch_no,
+        )
 
-        def flush() -> bool:
-            """Fetch the pending metrics, write records; True when a spike rolled the run back."""
-            nonlocal applied, batch_no, state, t_flush, rollbacks
-            if not pending:
-                return False
-            fetched = jax.device_get([p.metrics for p in pending])
-            now = time.perf_counter()
-            dt, t_flush = (now - t_flush) / len(pending), now
-            for i, (p, metrics) in enumerate(zip(pending, fetched, strict=True)):
-                metrics = to_python(metrics)
-                skipped = isinstance(metrics, dict) and bool(metrics.get("skipped_nonfinite"))
-                score = None
-                if watch is not None and not skipped and isinstance(metrics.get("loss"), float):
-                    score = watch.check(p.batch, metrics["loss"])
-                if score is not None:
-                    pending.clear()
-                    state = self._roll_back(state, data_iter, p.batch, metrics["loss"], score, result, watch, skip)
-                    rollbacks += 1
-                    applied = step_of(state) if step_of(state) is not None else self.checkpoint.resumed_from
-                    batch_no = int(self.checkpoint.resumed_meta.get("batches", applied))
-                    bar.reset(total=num_steps)
-                    bar.update(applied)
-                    if rollbacks >= self.spikes.max_rollbacks:
-                        raise StateError(
-                            f"{rollbacks} loss spikes rolled the run back (LossSpikePolicy.max_rollbacks); the "
-                            f"last at batch {p.batch}, loss {metrics['loss']:.4g}, z={score:.1f}: look at the data "
-                            "and the learning rate, or raise max_rollbacks / z"
-                        )
-                    return True
-                if skipped:
-                    result.skipped_nonfinite += 1
-                else:
-                    applied += 1
-                record = {
-                    "step": applied,
-                    "batch": p.batch,
-                    **(metrics if isinstance(metrics, dict) else {"metrics": metrics}),
-                    "step_time_s": dt,
-                    "tokens_per_s": p.tokens / dt if dt else None,
-                    "skipped_total": result.skipped_nonfinite,
-                }
-                lr = self._learning_rate(state, applied, last=i == len(fetched) - 1)
-                if lr is not None:
-                    record["lr"] = lr
-                result.history.append(record)
-                for w in writers:
-                    w.write(record)
-            bar.set_postfix_str(self._postfix(result.history[-1]))
-            pending.clear()
-            bar.n = applied  # skipped steps were counted when dispatched
-            bar.refresh()
-            return False
-
+    def _run_batch(self, loop: _Loop, eval_data: Any, eval_every: int | None) -> bool:
+        """Step on the next batch (unless a rollback skips it), then flush, save and evaluate where due; False when
+        the loop ends here (the data ran out, or a save answered a stop request)."""
         try:
-            while applied + len(pending) < num_steps:
-                try:
-                    batch = next(data_iter)
-                except StopIteration:
-                    break
-                batch_no += 1
-                if batch_no in skip:
-                    continue
-                upcoming = applied + len(pending) + 1
-                if self.profile is not None:
-                    self.profile.before(upcoming)
-                state, metrics = self.step(state, batch)
-                pending.append(_Pending(batch_no, metrics, self.tokens_in_batch(batch)))
-                bar.update(1)
-                if self.profile is not None:
-                    self.profile.after(upcoming, state)
-                save_due = self.checkpoint is not None and self.checkpoint.due(upcoming)
-                eval_due = eval_data is not None and eval_every is not None and upcoming % eval_every == 0
-                if len(pending) >= self.log_every or upcoming == num_steps or save_due or eval_due:
-                    if flush():
-                        continue
-                if self.checkpoint is not None and not pending and self.checkpoint.due(applied):
-                    self.checkpoint.save(applied, state, data_iter, {"batches": batch_no})
-                    if self.checkpoint.stop_requested:
-                        result.interrupted = True
-                        break
-                if eval_due and applied == upcoming:
-                    self._eval_record(state, eval_data, applied, result, writers)
-        except KeyboardInterrupt:
-            result.interrupted = True
-        finally:
-            try:
-                flush()
-            finally:
-                bar.close()
-                if self.profile is not None:
-                    self.profile.stop(state)
-                if self.checkpoint is not None:
-                    self.checkpoint.finish(applied, state, data_iter, {"batches": batch_no})
-        if (
-            eval_data is not None
-            and not result.interrupted
-            and (not result.eval_history or result.eval_history[-1]["step"] != applied)
-        ):
-            self._eval_record(state, eval_data, applied, result, writers)
-        for w in writers:
-            w.close()
-        result.state = state
-        return result
+            batch = next(loop.data_iter)
+        except StopIteration:
+            return False
+        loop.batch_no += 1
+        if loop.batch_no in loop.skip:
+            return True
+        upcoming = loop.applied + len(loop.pending) + 1
+        if self.profile is not None:
+            self.profile.before(upcoming)
+        loop.state, metrics = self.step(loop.state, batch)
+        loop.pending.append(_Pending(loop.batch_no, metrics, self.tokens_in_batch(batch)))
+        loop.bar.update(1)
+        if self.profile is not None:
+            self.profile.after(upcoming, loop.state)
+        save_due = self.checkpoint is not None and self.checkpoint.due(upcoming)
+        eval_due = eval_data is not None and eval_every is not None and upcoming % eval_every == 0
+        flush_due = len(loop.pending) >= self.log_every or upcoming == loop.num_steps or save_due or eval_due
+        if flush_due and self._flush(loop):
+            return True  # rolled back: the replayed batches come next
+        if self.checkpoint is not None and not loop.pending and self.checkpoint.due(loop.applied):
+            self.checkpoint.save(loop.applied, loop.state, loop.data_iter, {"batches": loop.batch_no})
+            if self.checkpoint.stop_requested:
+                loop.result.interrupted = True
+                return False
+        if eval_due and loop.applied == upcoming:
+            self._eval_record(loop, eval_data)
+        return True
 
-    def _eval_record(self, state: Any, eval_data: Any, step: int, result: FitResult, writers: list) -> None:
-        record = self._evaluate(state, eval_data, step)
-        result.eval_history.append(record)
-        for w in writers:
+    def _flush(self, loop: _Loop) -> bool:
+        """Fetch the pending metrics, write their records; True when a loss spike rolled the run back."""
+        if not loop.pending:
+            return False
+        fetched = jax.device_get([p.metrics for p in loop.pending])
+        now = time.perf_counter()
+        dt, loop.t_flush = (now - loop.t_flush) / len(loop.pending), now
+        for i, (p, metrics) in enumerate(zip(loop.pending, fetched, strict=True)):
+            metrics = to_python(metrics)
+            skipped = isinstance(metrics, dict) and bool(metrics.get("skipped_nonfinite"))
+            score = None
+            if loop.watch is not None and not skipped and isinstance(metrics.get("loss"), float):
+                score = loop.watch.check(p.batch, metrics["loss"])
+            if score is not None:
+                self._roll_back(loop, p.batch, metrics["loss"], score)
+                return True
+            self._record(loop, p, metrics, skipped, dt, last=i == len(fetched) - 1)
+        loop.bar.set_postfix_str(self._postfix(loop.result.history[-1]))
+        loop.pending.clear()
+        loop.bar.n = loop.applied  # skipped steps were counted when dispatched
+        loop.bar.refresh()
+        return False
+
+    def _record(self, loop: _Loop, p: _Pending, metrics: Any, skipped: bool, dt: float, last: bool) -> None:
+        """Count one fetched step (applied, or skipped as non-finite) and write its record."""
+        if skipped:
+            loop.result.skipped_nonfinite += 1
+        else:
+            loop.applied += 1
+        record = {
+            "step": loop.applied,
+            "batch": p.batch,
+            **(metrics if isinstance(metrics, dict) else {"metrics": metrics}),
+            "step_time_s": dt,
+            "tokens_per_s": p.tokens / dt if dt else None,
+            "skipped_total": loop.result.skipped_nonfinite,
+        }
+        lr = self._learning_rate(loop.state, loop.applied, last=last)
+        if lr is not None:
+            record["lr"] = lr
+        loop.result.history.append(record)
+        for w in loop.writers:
+            w.write(record)
+
+    def _close(self, loop: _Loop) -> None:
+        """Flush what is pending, close the progress bar, stop the profiler and finish the checkpoints."""
+        try:
+            self._flush(loop)
+        finally:
+            loop.bar.close()
+            if self.profile is not None:
+                self.profile.stop(loop.state)
+            if self.checkpoint is not None:
+                self.checkpoint.finish(loop.applied, loop.state, loop.data_iter, {"batches": loop.batch_no})
+
+    def _eval_record(self, loop: _Loop, eval_data: Any) -> None:
+        record = self._evaluate(loop.state, eval_data, loop.applied)
+        loop.result.eval_history.append(record)
+        for w in loop.writers:
             w.write(record)
         self._say(" ".join(f"{k}={v:.4f}" for k, v in record.items() if k.startswith("eval_") and "batches" not in k))
 
-    def _roll_back(
-        self,
-        state: Any,
-        data_iter: Any,
-        batch: int,
-        loss: float,
-        score: float,
-        result: FitResult,
-        watch: Any,
-        skip: set[int],
-    ) -> Any:
-        restored = self.checkpoint.roll_back(state, data_iter)
+    def _roll_back(self, loop: _Loop, batch: int, loss: float, score: float) -> None:
+        """Restore the last good checkpoint after a loss spike at ``batch``, and skip the batches around it."""
+        loop.pending.clear()
+        restored = self.checkpoint.roll_back(loop.state, loop.data_iter)
         if restored is None:
             raise StateError(
                 f"loss spike at batch {batch} (loss {loss:.4g}, z={score:.1f}) but no good checkpoint to roll back "
@@ -415,8 +441,9 @@ class Trainer:
             )
         back_to = int(self.checkpoint.resumed_meta.get("batches", self.checkpoint.resumed_from))
         skipped = list(range(max(batch - self.spikes.skip_batches + 1, back_to + 1), batch + 1))
-        skip.update(skipped)
-        watch.forget_after(back_to)
+        loop.skip.update(skipped)
+        loop.watch.forget_after(back_to)
+        result = loop.result
         result.history = [r for r in result.history if r["batch"] <= back_to]
         event = {
             "event": "spike",
@@ -431,4 +458,15 @@ class Trainer:
             f"loss spike at batch {batch} (loss {loss:.4g}, z={score:.1f}): rolled back to step "
             f"{self.checkpoint.resumed_from}, skipping batches {skipped}"
         )
-        return restored
+        loop.state = restored
+        loop.rollbacks += 1
+        loop.applied = step_of(restored) if step_of(restored) is not None else self.checkpoint.resumed_from
+        loop.batch_no = int(self.checkpoint.resumed_meta.get("batches", loop.applied))
+        loop.bar.reset(total=loop.num_steps)
+        loop.bar.update(loop.applied)
+        if loop.rollbacks >= self.spikes.max_rollbacks:
+            raise StateError(
+                f"{loop.rollbacks} loss spikes rolled the run back (LossSpikePolicy.max_rollbacks); the last at batch "
+                f"{batch}, loss {loss:.4g}, z={score:.1f}: look at the data and the learning rate, or raise "
+                "max_rollbacks / z"
+            )
