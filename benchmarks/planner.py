@@ -30,7 +30,8 @@ import numpy as np  # noqa: E402
 from openhosti_jax.demo.examples import EXAMPLES, example_inputs, gpt_step  # noqa: E402
 from openhosti_jax.mesh import MeshConfig, build_mesh  # noqa: E402
 from openhosti_jax.models.gpt import make_corpus  # noqa: E402
-from openhosti_jax.planner import calibrate, choose_plan  # noqa: E402
+from openhosti_jax.planner import choose_plan  # noqa: E402
+from openhosti_jax.planner.calibrate import calibrate  # noqa: E402
 from openhosti_jax.planner.refine import sharded_state  # noqa: E402
 from openhosti_jax.planner.search import enumerate_candidates, search  # noqa: E402
 from openhosti_jax.planner.workload import workload  # noqa: E402

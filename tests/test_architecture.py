@@ -64,3 +64,24 @@ def test_every_error_raised_on_purpose_is_an_openhosti_error():
                     if not issubclass(kind, errors.OpenhostiError) and name not in protocol:
                         found.append(f"{path.relative_to(root)}:{node.lineno} raises {name}")
     assert not found, found
+
+
+def test_no_package_attribute_hides_a_submodule():
+    """``openhosti_jax.pkg.name`` is the submodule ``pkg/name.py`` or nothing: a function re-exported under its
+    module's name would make the attribute mean one thing or the other depending on what was imported first."""
+    import types
+
+    packages = ["openhosti_jax"] + [
+        m.name for m in pkgutil.walk_packages(openhosti_jax.__path__, "openhosti_jax.") if m.ispkg
+    ]
+    hidden = []
+    for name in packages:
+        package = importlib.import_module(name)
+        for sub in pkgutil.iter_modules(package.__path__):
+            value = getattr(package, sub.name, None)
+            if value is not None and not (
+                isinstance(value, types.ModuleType) and value.__name__ == f"{name}.{sub.name}"
+            ):
+                hidden.append(f"{name}.{sub.name} is {type(value).__name__} {value!r}, not the submodule")
+    assert len(packages) > 10, packages
+    assert not hidden, hidden

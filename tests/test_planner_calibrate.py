@@ -150,9 +150,8 @@ def test_calibration_prices_a_small_group_on_its_own_curve():
 
 def test_a_measured_profile_is_read_back_from_disk_by_a_later_run(tmp_path, monkeypatch):
     """The second plan of a machine reads the first one's calibration instead of measuring again."""
-    import importlib
+    import openhosti_jax.planner.calibrate as cal
 
-    cal = importlib.import_module("openhosti_jax.planner.calibrate")  # the module (the package exports the function)
     monkeypatch.setenv("OPENHOSTI_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("OPENHOSTI_RECALIBRATE", raising=False)
     measured = calibrate(jax.devices(), reps=1, sizes=(2**14, 2**16))

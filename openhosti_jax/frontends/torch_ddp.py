@@ -84,7 +84,7 @@ from openhosti_jax.state.context import constrain_gradients, current_microbatche
 from openhosti_jax.state.init import abstract_train_state
 from openhosti_jax.train.balanced import BalancedStep
 from openhosti_jax.train.create import Strategy, create_train_state
-from openhosti_jax.train.spmd import SpmdStep, spmd
+from openhosti_jax.train.spmd_step import SpmdStep, spmd
 
 
 def _zero_stage(plan: Strategy) -> int | None:

@@ -1,6 +1,9 @@
-"""Device meshes: configuration, construction, multi-process start-up, local launcher, barriers."""
+"""Device meshes: configuration, construction, multi-process start-up, local launcher, barriers.
 
-from openhosti_jax.mesh.barrier import agree, barrier
+The barrier itself is ``openhosti_jax.mesh.barrier.barrier`` (named like its module, so not re-exported here).
+"""
+
+from openhosti_jax.mesh.barrier import agree
 from openhosti_jax.mesh.build import build_mesh, mesh_sizes
 from openhosti_jax.mesh.config import AXES, BATCH_AXES, MeshConfig
 from openhosti_jax.mesh.distributed import LaunchInfo, detect_launch, initialize_distributed
@@ -14,7 +17,6 @@ __all__ = [
     "MeshConfig",
     "agree",
     "agree_across_processes",
-    "barrier",
     "budget_from_devices",
     "build_mesh",
     "detect_launch",

@@ -8,7 +8,7 @@ Example:
 
 from openhosti_jax.pipeline.costs import LayerCost, layer_costs, split_modules
 from openhosti_jax.pipeline.executor import Packing, make_pipeline_step, pipeline_value_and_grad
-from openhosti_jax.pipeline.partition import (
+from openhosti_jax.pipeline.partitioner import (
     StageCostModel,
     StagePartition,
     evaluate_partition,
@@ -23,7 +23,7 @@ from openhosti_jax.pipeline.schedule import (
     make_schedule,
     one_f_one_b,
 )
-from openhosti_jax.pipeline.simulate import SimResult, simulate
+from openhosti_jax.pipeline.simulator import SimResult, simulate
 from openhosti_jax.pipeline.split import LayerSequence, split_layers
 from openhosti_jax.pipeline.state import (
     PipelineState,

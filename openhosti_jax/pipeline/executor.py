@@ -40,7 +40,7 @@ from jax.sharding import PartitionSpec as P
 from openhosti_jax.errors import BatchError, PipelineError
 from openhosti_jax.mesh import BATCH_AXES, mesh_sizes
 from openhosti_jax.pipeline.costs import Layer
-from openhosti_jax.pipeline.partition import StagePartition
+from openhosti_jax.pipeline.partitioner import StagePartition
 from openhosti_jax.pipeline.schedule import Schedule
 from openhosti_jax.pipeline.ticks import BACKWARD, FORWARD, tick_table
 

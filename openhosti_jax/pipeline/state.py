@@ -42,7 +42,7 @@ from openhosti_jax.errors import PipelineError
 from openhosti_jax.mesh import mesh_sizes
 from openhosti_jax.pipeline.costs import Layer
 from openhosti_jax.pipeline.executor import Batch, OutputLoss, Packing, pipelined_loss_and_grads
-from openhosti_jax.pipeline.partition import StagePartition
+from openhosti_jax.pipeline.partitioner import StagePartition
 from openhosti_jax.pipeline.schedule import Schedule
 from openhosti_jax.state.guard import all_finite
 

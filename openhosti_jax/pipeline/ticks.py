@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from openhosti_jax.pipeline.schedule import Schedule
-from openhosti_jax.pipeline.simulate import simulate
+from openhosti_jax.pipeline.simulator import simulate
 
 IDLE, FORWARD, BACKWARD = 0, 1, 2
 FIELDS = ("op", "chunk", "microbatch", "act_slot", "grad_slot", "recv_act_slot", "recv_grad_slot")

@@ -8,7 +8,7 @@ from openhosti_jax.train.pipelined import from_model_state, pipeline_step, to_mo
 from openhosti_jax.train.profiling import ProfileWindow
 from openhosti_jax.train.resume import TrainerCheckpoint
 from openhosti_jax.train.spikes import LossSpikePolicy
-from openhosti_jax.train.spmd import SpmdStep, spmd
+from openhosti_jax.train.spmd_step import SpmdStep, spmd
 from openhosti_jax.train.trainer import FitResult, Trainer
 from openhosti_jax.train.writers import JsonlWriter, MetricWriter, TensorBoardWriter, WandbWriter
 

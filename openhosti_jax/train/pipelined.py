@@ -34,7 +34,7 @@ from jax.sharding import Mesh
 from openhosti_jax.errors import PipelineError
 from openhosti_jax.pipeline.costs import layer_costs
 from openhosti_jax.pipeline.executor import Batch, OutputLoss
-from openhosti_jax.pipeline.partition import StagePartition, evaluate_partition, partition
+from openhosti_jax.pipeline.partitioner import StagePartition, evaluate_partition, partition
 from openhosti_jax.pipeline.schedule import make_schedule
 from openhosti_jax.pipeline.split import split_layers
 from openhosti_jax.pipeline.state import PipelineState, init_pipeline_state, make_pipeline_train_step, pack_state

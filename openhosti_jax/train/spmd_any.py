@@ -50,7 +50,7 @@ from openhosti_jax.state.layout import StateLayout
 from openhosti_jax.state.outputs import Recipe, canonical_step, restore, unreturned
 
 if TYPE_CHECKING:
-    from openhosti_jax.train.spmd import SpmdStep
+    from openhosti_jax.train.spmd_step import SpmdStep
 
 
 @dataclasses.dataclass(frozen=True)
