@@ -222,3 +222,71 @@ def test_a_machine_that_lost_its_local_disk_resumes_from_the_replica(tmp_path):
     assert fresh.resumed_from == 4
     np.testing.assert_array_equal(restored["w"], states[4]["w"])
     fresh.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_corrupt_local_step_is_restored_from_its_replica(tmp_path):
+    """A flipped byte in the newest local step: the step's replica is fetched over it and restored, bit for bit."""
+    from openhosti_jax.checkpoint.checksums import load_records
+
+    state = _state()
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    with CheckpointManager(tmp_path / "main", every_minutes=None, replicate_to=tmp_path / "copy") as ckpt:
+        ckpt.maybe_save(1, state.replace(step=jnp.int32(1)), force=True)
+        ckpt.wait()
+        step_dir = tmp_path / "main" / "1"
+        name = max(
+            (n for n in load_records(step_dir)[0] if n.startswith("state/")),
+            key=lambda n: (step_dir / n).stat().st_size,
+        )
+        data = bytearray((step_dir / name).read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        (step_dir / name).write_bytes(bytes(data))
+        with pytest.warns(UserWarning, match="falling back"):
+            restored, _, _ = ckpt.restore(abstract)
+        assert ckpt.verify(1) == []  # the local tier holds the good copy again
+    assert int(restored.step) == 1
+    _assert_same(restored.params, state.params)
+
+
+@pytest.mark.timeout(120)
+def test_a_preemption_save_does_not_wait_for_the_replica(tmp_path, monkeypatch):
+    """SIGTERM's save returns once the local tier has the step, while the copy to the replica is still held up;
+    the copy lands later and close() waits for it."""
+    import threading
+
+    from openhosti_jax.checkpoint import manager as manager_module
+
+    release, copying = threading.Event(), threading.Event()
+    real = manager_module.replicate_step
+
+    def held_up(*args, **kwargs):
+        copying.set()
+        assert release.wait(60)
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(manager_module, "replicate_step", held_up)
+    state = {"x": jnp.arange(4.0)}
+    ckpt = CheckpointManager(tmp_path / "main", every_minutes=None, replicate_to=tmp_path / "copy")
+    ckpt.save_on_signal()
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert ckpt.maybe_save(5, state)  # the signal forces it and waits for the local tier only
+    assert ckpt.preempted and ckpt.good_steps() == [5] and copying.wait(30) and ckpt.replica_steps() == []
+    release.set()
+    ckpt.close()
+    assert ckpt.replica_steps() == [5] and ckpt.replication_failures == []
+
+
+@pytest.mark.timeout(60)
+def test_a_replica_location_that_cannot_work_is_refused_before_training(tmp_path):
+    with pytest.raises(ConfigError, match="scheme 'nosuch'"):
+        CheckpointManager(tmp_path / "a", replicate_to="nosuch://bucket/run")
+    (tmp_path / "file").write_text("not a folder")
+    with pytest.raises(ConfigError, match="expected a location this process can write"):
+        CheckpointManager(tmp_path / "b", replicate_to=tmp_path / "file" / "run")
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("gcsfs") is not None, reason="gcsfs is installed")
+def test_a_missing_object_store_client_names_the_extra(tmp_path):
+    with pytest.raises(ConfigError, match=r"openhosti_jax\[gcs\]"):
+        CheckpointManager(tmp_path, replicate_to="gs://bucket/run")

@@ -97,20 +97,34 @@ def record_files(step_dir: str | os.PathLike[str]) -> list[epath.Path]:
     step_dir = epath.Path(step_dir)
     if not step_dir.exists():
         return []
-    return [p for p in step_dir.iterdir() if p.name == LEGACY_RECORD or _RECORD_RE.match(p.name)]
+    return [p for p in step_dir.iterdir() if is_record(p.name)]
 
 
-def has_checksums(step_dir: str | os.PathLike[str]) -> bool:
-    """Whether every process's checksum record of the step was written (the step is committed and checksummed)."""
-    names = {p.name for p in record_files(step_dir)}
+def is_record(name: str) -> bool:
+    """Whether a file name is a checksum record's."""
+    return name == LEGACY_RECORD or _RECORD_RE.match(name) is not None
+
+
+def records_complete(names: set[str] | list[str]) -> bool:
+    """Whether the file names of a step's folder include every process's checksum record.
+
+    Example:
+        >>> records_complete([record_name(0, 2), "state"]), records_complete([record_name(0, 2), record_name(1, 2)])
+        (False, True)
+    """
     if LEGACY_RECORD in names:
         return True
     found: dict[int, set[int]] = {}
     for name in names:
         m = _RECORD_RE.match(name)
-        assert m is not None
-        found.setdefault(int(m.group(2)), set()).add(int(m.group(1)))
+        if m is not None:
+            found.setdefault(int(m.group(2)), set()).add(int(m.group(1)))
     return any(procs == set(range(n)) for n, procs in found.items())
+
+
+def has_checksums(step_dir: str | os.PathLike[str]) -> bool:
+    """Whether every process's checksum record of the step was written (the step is committed and checksummed)."""
+    return records_complete({p.name for p in record_files(step_dir)})
 
 
 def missing_records(step_dir: str | os.PathLike[str], process_count: int) -> list[int]:

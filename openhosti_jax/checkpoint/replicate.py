@@ -1,12 +1,14 @@
-"""Copy committed checkpoint steps to a second location (any `etils.epath` path: a local folder, ``gs://``,
-``s3://`` with its fsspec package installed).
+"""The second tier: committed checkpoint steps copied to object storage (``s3://``, ``gs://``, any fsspec URL) or
+a path, and fetched back onto a machine whose local disk was lost.
 
-Object stores have no atomic rename (a rename is a copy and a delete), so a replica step is committed by what is
-copied last: the step's checksum records. A step counts as complete only when every process's record is there
-(`openhosti_jax.checkpoint.checksums.has_checksums`), so a reader never takes a half-copied step for a good one:
-one cut short (a kill mid-upload, a lost connection) is skipped and removed by the next copy. The data files are
-copied ``threads`` at a time; the checksums travel with them and are verified when the step is restored. Steps
-beyond ``keep`` are pruned, and so are incomplete ones older than the newest complete step.
+The replica is reached through fsspec (``pip install openhosti_jax[s3]`` for s3fs, ``[gcs]`` for gcsfs), the
+client stack users run; a URL whose package is missing, or a scheme fsspec does not know, is a `ConfigError`
+naming the fix. Object stores have no atomic rename (a rename is a copy and a delete), so a replica step is
+committed by what is copied last: the step's checksum records. A step counts as complete only when every process's
+record is there (`openhosti_jax.checkpoint.checksums.records_complete`), so a reader never takes a half-copied step
+for a good one: one cut short (a kill mid-upload, a lost connection) is skipped and removed by the next copy. The
+data files are copied ``threads`` at a time; the checksums travel with them and are verified when the step is
+restored. Steps beyond ``keep`` are pruned, and so are incomplete ones older than the newest complete step.
 
 Example:
     >>> import pathlib, tempfile
@@ -21,60 +23,139 @@ Example:
 from __future__ import annotations
 
 import os
+import shutil
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
-from etils import epath
+from openhosti_jax.checkpoint.checksums import is_record, records_complete
+from openhosti_jax.errors import ConfigError
 
-from openhosti_jax.checkpoint.checksums import has_checksums, record_files
+_EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
 
 
-def _files(root: epath.Path) -> list[epath.Path]:
-    """Every file under ``root``, as paths relative to it."""
-    out: list[epath.Path] = []
-    for child in root.iterdir():
-        out += [child.name / f for f in _files(child)] if child.is_dir() else [epath.Path(child.name)]
-    return out
+def replica_fs(dest: str | os.PathLike[str]) -> tuple[Any, str]:
+    """(the fsspec filesystem, the path on it) of a replica location; `ConfigError` for an unknown scheme or a
+    missing client package (naming the extra to install)."""
+    import fsspec
+
+    url = os.fspath(dest)
+    scheme = url.split("://", 1)[0] if "://" in url else "file"
+    try:
+        fs, path = fsspec.core.url_to_fs(url)
+    except ImportError as e:
+        extra = _EXTRAS.get(scheme, scheme)
+        raise ConfigError(
+            f"replicate_to={url!r}: the {scheme}:// client is not installed ({e}); pip install 'openhosti_jax[{extra}]'"
+        ) from e
+    except ValueError as e:
+        raise ConfigError(
+            f"replicate_to={url!r}: expected a path or a URL fsspec knows (s3://, gs://, file://, ...), found the "
+            f"scheme {scheme!r} ({e})"
+        ) from e
+    return fs, path.rstrip("/")
+
+
+def _names(fs: Any, path: str) -> list[str]:
+    return [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)]
 
 
 def replica_steps(dest: str | os.PathLike[str]) -> list[int]:
     """The complete steps under ``dest`` (every process's checksum record copied), ascending."""
-    dest = epath.Path(dest)
-    if not dest.exists():
+    fs, root = replica_fs(dest)
+    if not fs.exists(root):
         return []
-    return sorted(int(p.name) for p in dest.iterdir() if p.name.isdigit() and p.is_dir() and has_checksums(p))
+    steps = [n for n in _names(fs, root) if n.isdigit() and fs.isdir(f"{root}/{n}")]
+    return sorted(int(n) for n in steps if records_complete(_names(fs, f"{root}/{n}")))
+
+
+def replica_reachable(dest: str | os.PathLike[str]) -> None:
+    """Write, read and delete a probe under ``dest`` so that credentials or an endpoint that do not work are
+    reported before training starts, not at the first save (`ConfigError` saying what failed)."""
+    fs, root = replica_fs(dest)
+    probe = f"{root}/.openhosti-probe-{os.getpid()}"
+    try:
+        fs.makedirs(root, exist_ok=True)
+        fs.pipe_file(probe, b"ok")
+        if fs.cat_file(probe) != b"ok":
+            raise OSError("the probe read back differently")
+        fs.rm_file(probe)
+    except Exception as e:  # noqa: BLE001 - any client failure (credentials, endpoint, permissions) is said once
+        raise ConfigError(
+            f"replicate_to={os.fspath(dest)!r}: expected a location this process can write, read and delete in, "
+            f"found {type(e).__name__}: {str(e)[:300]}; check the credentials, endpoint and bucket"
+        ) from e
+
+
+def _local_files(root: str) -> list[str]:
+    """Every file under the local folder ``root``, relative to it (``/``-separated)."""
+    out = []
+    for folder, _, files in os.walk(root):
+        rel = os.path.relpath(folder, root)
+        out += [f if rel == "." else f"{rel}/{f}".replace(os.sep, "/") for f in files]
+    return sorted(out)
 
 
 def replicate_step(
     step_dir: str | os.PathLike[str], dest: str | os.PathLike[str], *, keep: int | None, threads: int = 8
 ) -> None:
-    """Copy ``step_dir`` to ``dest/<its name>``, data files first (``threads`` at a time) and its checksum
-    records last (the commit), then keep only the newest ``keep`` complete steps there."""
-    step_dir, dest = epath.Path(step_dir), epath.Path(dest)
-    final = dest / step_dir.name
-    if final.exists():  # an earlier copy cut short (or a stale one): start again
-        final.rmtree()
-    records = {p.name for p in record_files(step_dir)}
-    files = _files(step_dir)
-    data = [f for f in files if str(f) not in records]
+    """Copy the local ``step_dir`` to ``dest/<its name>``, data files first (``threads`` at a time) and its
+    checksum records last (the commit), then keep only the newest ``keep`` complete steps there."""
+    fs, root = replica_fs(dest)
+    step_dir = os.fspath(step_dir)
+    final = f"{root}/{os.path.basename(step_dir.rstrip('/'))}"
+    if fs.exists(final):  # an earlier copy cut short (or a stale one): start again
+        fs.rm(final, recursive=True)
+    files = _local_files(step_dir)
+    data = [f for f in files if not ("/" not in f and is_record(f))]
+    records = [f for f in files if f not in data]
 
-    def copy(rel: epath.Path) -> None:
-        (final / rel).parent.mkdir(parents=True, exist_ok=True)
-        (step_dir / rel).copy(final / rel, overwrite=True)
+    def put(rel: str) -> None:
+        target = f"{final}/{rel}"
+        fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
+        fs.put_file(os.path.join(step_dir, rel), target)
 
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-        list(pool.map(copy, data))
-    for name in sorted(records):  # the commit: with every record present the step counts as complete
-        copy(epath.Path(name))
+        list(pool.map(put, data))
+    for rel in records:  # the commit: with every record present the step counts as complete
+        put(rel)
     prune(dest, keep)
+
+
+def fetch_step(dest: str | os.PathLike[str], step: int, local: str | os.PathLike[str], threads: int = 8) -> str:
+    """Copy the complete replica step ``dest/<step>`` into the local directory ``local`` (a machine whose disk was
+    lost gets its tier back) and return its path there. It lands under a temporary name and is renamed when whole
+    (a local rename is atomic), so a fetch cut short never looks like a step."""
+    fs, root = replica_fs(dest)
+    src = f"{root}/{int(step)}"
+    local = os.fspath(local)
+    final, tmp = os.path.join(local, str(int(step))), os.path.join(local, f"{int(step)}.fetching-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    files = [p[len(src) + 1 :] for p in fs.find(src)]
+
+    def get(rel: str) -> None:
+        target = os.path.join(tmp, *rel.split("/"))
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        fs.get_file(f"{src}/{rel}", target)
+
+    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        list(pool.map(get, files))
+    shutil.rmtree(final, ignore_errors=True)
+    try:
+        os.replace(tmp, final)
+    except OSError:  # another process sharing this directory put the same step there first
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not records_complete(os.listdir(final)):
+            raise
+    return final
 
 
 def prune(dest: str | os.PathLike[str], keep: int | None) -> None:
     """Remove complete steps beyond the newest ``keep`` and incomplete ones older than the newest complete step."""
-    dest = epath.Path(dest)
+    fs, root = replica_fs(dest)
     complete = replica_steps(dest)
     if not complete:
         return
     drop = set(complete[:-keep] if keep else [])
-    drop |= {int(p.name) for p in dest.iterdir() if p.name.isdigit() and int(p.name) < complete[-1]} - set(complete)
+    drop |= {int(n) for n in _names(fs, root) if n.isdigit() and int(n) < complete[-1]} - set(complete)
     for step in sorted(drop):
-        (dest / str(step)).rmtree()
+        fs.rm(f"{root}/{step}", recursive=True)
