@@ -170,13 +170,13 @@ _AGREE = textwrap.dedent(
     import json, sys
     import jax
     from openhosti_jax.mesh import initialize_distributed
-    from openhosti_jax.mesh import agree_across_processes
+    from openhosti_jax.mesh.barrier import gathered
     from openhosti_jax.microbatch import find_microbatch
     pid = int(sys.argv[2])
     initialize_distributed(sys.argv[1], 2, pid, timeout_s=60)
     budget = 700 if pid == 0 else 350  # the processes disagree locally
     choice = find_microbatch(lambda s: s, 12, budget, margin=0.0, peak_fn=lambda s: 100 * s)
-    big = agree_across_processes((pid + 5, 2**40 + pid))
+    big = gathered("big", (pid + 5, 2**40 + pid))[0]  # process 0's, ints past int32 intact
     print(json.dumps({"size": choice.size, "peak": choice.peak_bytes, "big": big}))
     """
 )

@@ -77,6 +77,7 @@ from openhosti_jax.checkpoint.policy import SavePolicy
 from openhosti_jax.checkpoint.replicate import replica_steps, replicate_step
 from openhosti_jax.data.protocol import check_json_state
 from openhosti_jax.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, ConfigError
+from openhosti_jax.mesh.barrier import gathered
 
 _POLL_S = 0.02
 _IDLE_PER_BUSY = 9.0
@@ -85,6 +86,9 @@ _SMALL_FILE = 1 << 16
 """Files up to this size are verified before Orbax reads the step; larger ones while it reads."""
 _RECORDS_TIMEOUT_S = 600.0
 """How long process 0 waits for the other processes' checksum records of a step before giving up on it."""
+_AGREE_TIMEOUT_S = 3600.0
+"""How long a process waits for the others' verdicts on a step (each verifies the files it reads, the large ones
+while Orbax reads them), before naming the processes that never answered."""
 
 
 def _orbax_manager(directory: epath.Path, *, async_save: bool, read_only: bool) -> Any:
@@ -127,21 +131,14 @@ def _saved(step_dir: epath.Path, info: dict[str, Any]) -> dict[str, Spec]:
     return saved_specs(stored, info["key_impls"])
 
 
-def _agree(problems: list[str]) -> list[str]:
-    """Every process's problems (each process checked the files it reads), on every process, so that all of
-    them restore the same step or fall back together."""
+def _problems_of_all(problems: list[str]) -> list[str]:
+    """Every process's problems (each process checked the files it reads), on every process (`gathered`), so that
+    all of them restore the same step or fall back together; a problem another process found names it."""
     if jax.process_count() == 1:
         return problems
-    from jax.experimental import multihost_utils
-
-    mine = np.frombuffer(json.dumps(problems).encode(), np.uint8)
-    sizes = np.asarray(multihost_utils.process_allgather(np.array([mine.size], np.int32))).reshape(-1)
-    padded = np.zeros(int(sizes.max()), np.uint8)
-    padded[: mine.size] = mine
-    rows = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(sizes), -1)
     found: dict[str, list[int]] = {}  # problem -> the processes that found it, in order of first report
-    for p, (row, n) in enumerate(zip(rows, sizes, strict=True)):
-        for problem in json.loads(bytes(row[: int(n)]).decode()):
+    for p, reported in enumerate(gathered("restore-problems", problems, timeout_s=_AGREE_TIMEOUT_S)):
+        for problem in reported:
             found.setdefault(problem, []).append(p)
     me = jax.process_index()
     return [x if me in ps else f"{x} (found by process {', '.join(map(str, ps))})" for x, ps in found.items()]
@@ -440,7 +437,7 @@ class CheckpointManager:
                         except Exception as e:  # noqa: BLE001 - a read failure of intact files: say which
                             failed = f"Orbax failed to read it: {type(e).__name__}: {str(e)[:500]}"
                         late = checking.result() if checking is not None else []
-                        problems = _agree(late or ([failed] if failed else []))
+                        problems = _problems_of_all(late or ([failed] if failed else []))
                         if not problems:
                             self.restored_step = s
                             return restored
@@ -502,7 +499,7 @@ class CheckpointManager:
         meta: dict[str, Any] = {}
         if not problems and verify:
             problems = verify_checksums(step_dir, [r for r in record if r.startswith("meta/")], record=record)
-        problems = _agree(problems)  # each `_agree` is a collective: every process passes the same ones
+        problems = _problems_of_all(problems)  # every process passes the same ones (each call an exchange)
         if problems:
             return problems, meta, None
         try:
@@ -529,7 +526,7 @@ class CheckpointManager:
                 # and the large files are checksummed while Orbax reads them
                 small = {f for f in files if record.get(f, [0])[0] <= _SMALL_FILE}
                 problems = check_sizes(step_dir, files, record) or verify_checksums(step_dir, small, record=record)
-                problems = _agree(problems)
+                problems = _problems_of_all(problems)
                 if not problems:
                     large = [f for f in files if f not in small]
                     checking = self._verifier.submit(
@@ -537,7 +534,7 @@ class CheckpointManager:
                     )
                     return problems, meta, checking
                 return problems, meta, None
-        return _agree(problems), meta, None
+        return _problems_of_all(problems), meta, None
 
     def _mismatch_message(
         self,

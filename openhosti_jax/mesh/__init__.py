@@ -8,7 +8,7 @@ from openhosti_jax.mesh.build import build_mesh, mesh_sizes
 from openhosti_jax.mesh.config import AXES, BATCH_AXES, MeshConfig
 from openhosti_jax.mesh.distributed import LaunchInfo, detect_launch, initialize_distributed
 from openhosti_jax.mesh.launch import launch_local
-from openhosti_jax.mesh.memory import agree_across_processes, budget_from_devices, device_memory_limit
+from openhosti_jax.mesh.memory import budget_from_devices, device_memory_limit
 
 __all__ = [
     "AXES",
@@ -16,7 +16,6 @@ __all__ = [
     "LaunchInfo",
     "MeshConfig",
     "agree",
-    "agree_across_processes",
     "budget_from_devices",
     "build_mesh",
     "detect_launch",

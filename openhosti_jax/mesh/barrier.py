@@ -1,9 +1,12 @@
-"""Barriers and agreement checks with a timeout that name the process that did not arrive, instead of hanging.
+"""Barriers and agreement between processes, with a timeout that names the process that did not arrive, instead of
+hanging: the one way processes agree.
 
-Both work through the key-value store of the `jax.distributed` coordinator: each process writes its key, then
+All work through the key-value store of the `jax.distributed` coordinator: each process writes its key, then
 waits until every process's key is there. On timeout the error lists the missing process ids. (The coordinator's
-``get_live_nodes`` is not used: it is itself a blocking rendezvous of the listed processes.) With a single process
-both are no-ops. Every process must make the same sequence of calls with the same names.
+``get_live_nodes`` is not used: it is itself a blocking rendezvous of the listed processes.) `gathered` hands every
+process all the values, from which each caller takes what it needs (process 0's choice, everyone's findings
+merged); `agree` demands they are equal. With a single process all are no-ops. Every process must make the same
+sequence of calls with the same names.
 
 Example:
     >>> from openhosti_jax.mesh.barrier import barrier, agree
@@ -15,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import itertools
+import json
 import time
 from collections import defaultdict
 from typing import Any
@@ -71,15 +75,21 @@ def barrier(name: str, *, timeout_s: float = 300.0) -> None:
     _gather("barrier", name, "1", timeout_s)
 
 
-def gathered(name: str, value: str, *, timeout_s: float = 300.0) -> list[str]:
-    """Every process's ``value`` in process order (``[value]`` on a single process), for choices that need them all.
+def gathered(name: str, value: Any, *, timeout_s: float = 300.0) -> list[Any]:
+    """Every process's ``value`` (anything JSON carries: a digest, a few ints, a list of messages) in process
+    order, as JSON gives it back (tuples as lists; one process: ``[value]``), for choices that need them all:
+    every process takes process 0's choice as ``gathered(...)[0]``, or merges everyone's findings.
 
     Example:
         >>> gathered("cached-profile", "abc")
         ['abc']
+        >>> size, peak = gathered("microbatch-choice", (6, 2**40))[0]  # process 0's, on every process
+        >>> size, peak
+        (6, 1099511627776)
     """
-    values = _gather("gathered", name, value, timeout_s)
-    return [value] if values is None else values
+    text = json.dumps(value)
+    values = _gather("gathered", name, text, timeout_s)
+    return [json.loads(v) for v in ([text] if values is None else values)]
 
 
 def agree(name: str, value: str, *, timeout_s: float = 300.0) -> str:

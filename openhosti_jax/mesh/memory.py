@@ -1,11 +1,9 @@
-"""The memory a device really has, and making every process use process 0's answer.
+"""The memory a device really has (processes agree on what they make of it through `openhosti_jax.mesh.barrier`).
 
 Example:
-    >>> from openhosti_jax.mesh.memory import agree_across_processes, budget_from_devices, device_memory_limit
+    >>> from openhosti_jax.mesh.memory import budget_from_devices, device_memory_limit
     >>> budget_from_devices() > 0, device_memory_limit() is None  # CPU reports no limit: it shares host RAM
     (True, True)
-    >>> agree_across_processes((3, 2**40))  # one process: unchanged
-    (3, 1099511627776)
 """
 
 from __future__ import annotations
@@ -14,12 +12,8 @@ import os
 from collections.abc import Sequence
 
 import jax
-import numpy as np
-from jax.experimental import multihost_utils
 
 from openhosti_jax.errors import MemoryBudgetError
-
-_BASE = 2**30  # ints travel as int32 digit pairs: broadcasts run with x64 disabled
 
 
 def _host_ram_bytes() -> int:
@@ -53,15 +47,3 @@ def budget_from_devices(devices: Sequence[jax.Device] | None = None) -> int:
             "expected device memory stats or host RAM size, found neither; pass budget_bytes explicitly"
         )
     return host // max(1, len(devices))
-
-
-def agree_across_processes(values: Sequence[int]) -> tuple[int, ...]:
-    """Process 0's ``values`` (non-negative ints) on every process; unchanged in a single-process run."""
-    values = tuple(int(v) for v in values)
-    if any(v < 0 for v in values):
-        raise MemoryBudgetError(f"expected non-negative ints to agree on, found {values}")
-    if jax.process_count() == 1:
-        return values
-    digits = np.asarray([[v // _BASE, v % _BASE] for v in values], np.int32)
-    agreed = np.asarray(multihost_utils.broadcast_one_to_all(digits))
-    return tuple(int(hi) * _BASE + int(lo) for hi, lo in agreed)

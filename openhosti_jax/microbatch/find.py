@@ -25,9 +25,13 @@ from typing import Any
 import jax
 
 from openhosti_jax.errors import MemoryBudgetError, PlanningError
-from openhosti_jax.mesh.memory import agree_across_processes, budget_from_devices
+from openhosti_jax.mesh.barrier import gathered
+from openhosti_jax.mesh.memory import budget_from_devices
 from openhosti_jax.microbatch.probe import PeakFn, peak_bytes
 from openhosti_jax.sizes import divisors
+
+_AGREE_TIMEOUT_S = 1800.0
+"""How long a process waits for process 0's choice: a process whose budget lets it probe more sizes compiles longer."""
 
 
 def compile_bound(per_device_batch: int) -> int:
@@ -141,7 +145,7 @@ def find_microbatch(
         best = lo
     size = candidates[best]
     peak = dict(tried)[size]
-    size, peak = agree_across_processes((size, peak))
+    size, peak = gathered("microbatch-choice", (size, peak), timeout_s=_AGREE_TIMEOUT_S)[0]  # process 0's
     return MicrobatchChoice(
         size=size,
         num_microbatches=-(-per_device_batch // size),
