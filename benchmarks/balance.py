@@ -46,7 +46,7 @@ OVERHEAD_M = 14 if goals.QUICK else 28
 PROCESS_TIMEOUT_S = 150 if goals.QUICK else 240
 
 
-def loss_fn(p, mb, rng):
+def loss_sum_fn(p, mb, rng):
     import jax.numpy as jnp
 
     h = mb["x"]
@@ -114,15 +114,15 @@ def slowdown_case(mesh, factor, m, throttle_for, kind):
     params, mbs = data(m)
     rng = jax.random.key(0)
     cap = min(m, 2 * -(-m // size))
-    free = make_balanced_grad_fn(loss_fn, mesh, capacity=cap)
+    free = make_balanced_grad_fn(loss_sum_fn, mesh, capacity=cap)
     even = tuple(m // size + (i < m % size) for i in range(size))
     throttle = throttle_for(microbatch_seconds(free, params, mbs, even, rng))
-    bal = Balancer(loss_fn, mesh, total=m, every=10, throttle=throttle, capacity=cap)
+    bal = Balancer(loss_sum_fn, mesh, total=m, every=10, throttle=throttle, capacity=cap)
     counts = converge(bal, params, mbs, rng)
     throttled = bal.step_fn
     share = int(round(m / sum(1.0 / f for f in throttle.factors)))
     ideal_mbs = data(share * size)[1]
-    free_ideal = make_balanced_grad_fn(loss_fn, mesh, capacity=max(cap, share))
+    free_ideal = make_balanced_grad_fn(loss_sum_fn, mesh, capacity=max(cap, share))
     t = alternate(
         {
             "static": lambda: throttled(params, place_microbatches(mbs, even, cap, mesh), even, rng),
@@ -153,11 +153,11 @@ def overhead_case(mesh, m):
     size = mesh.shape["data"]
     params, mbs = data(m)
     rng = jax.random.key(0)
-    bal = Balancer(loss_fn, mesh, total=m, every=10)
+    bal = Balancer(loss_sum_fn, mesh, total=m, every=10)
     rows = NamedSharding(mesh, PartitionSpec("data"))
     # the same rows per device per microbatch as the balanced step's even split: m / size microbatches of
     # size * ROWS rows, each split over the devices
-    plain = jax.jit(lambda p, b, r: accumulate_gradients(loss_fn, p, b, m // size, r, microbatch_sharding=rows)[:2])
+    plain = jax.jit(lambda p, b, r: accumulate_gradients(loss_sum_fn, p, b, m // size, r, microbatch_sharding=rows)[:2])
     flat = {"x": mbs["x"].reshape(m * ROWS, WIDTH)}
 
     def plain_step():

@@ -211,11 +211,11 @@ def _ddp_worker(rounds: int = 7, steps: int = 10, seq: int = 128) -> None:
     opts = {k: torch.optim.AdamW(m.parameters(), 1e-3) for k, m in models.items()}
     tokens = torch.randint(0, 512, (8, seq))
 
-    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def criterion(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.cross_entropy(logits.reshape(-1, 512), targets.reshape(-1))
 
     full_model = _TinyGPT()
-    full = OptimizedDDP(full_model, optimizer=torch.optim.AdamW(full_model.parameters(), 1e-3), loss_fn=loss_fn)
+    full = OptimizedDDP(full_model, optimizer=torch.optim.AdamW(full_model.parameters(), 1e-3), criterion=criterion)
 
     def run(k: str) -> float:
         t0 = time.perf_counter()
@@ -224,7 +224,7 @@ def _ddp_worker(rounds: int = 7, steps: int = 10, seq: int = 128) -> None:
                 full.train_step(tokens, tokens)  # returns the loss as a float tensor: the step has finished
                 continue
             opts[k].zero_grad()
-            loss_fn(models[k](tokens), tokens).backward()
+            criterion(models[k](tokens), tokens).backward()
             opts[k].step()
         return (time.perf_counter() - t0) / steps
 

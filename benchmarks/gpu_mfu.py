@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     from jax.sharding import PartitionSpec as P
 
     from openhosti_jax import MeshConfig, build_mesh, create_train_state, spmd
-    from openhosti_jax.demo.gpt_job import gpt_loss_fn
+    from openhosti_jax.demo.gpt_job import gpt_loss_sum_fn
     from openhosti_jax.microbatch import compiled_peak_bytes, find_microbatch, make_train_step
     from openhosti_jax.models.gpt import GPT, GPTConfig, make_corpus, next_token_loss
 
@@ -81,8 +81,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def compile_for(size: int) -> jax.stages.Compiled:
         n_micro = -(-per_device // size)
-        loss_fn = gpt_loss_fn(state.apply_fn, state.model_state)
-        steps_by_size[size] = spmd(make_train_step(loss_fn, n_micro), mesh=mesh, plan=plan)
+        loss_sum_fn = gpt_loss_sum_fn(state.apply_fn, state.model_state)
+        steps_by_size[size] = spmd(make_train_step(loss_sum_fn, n_micro), mesh=mesh, plan=plan)
         return steps_by_size[size].lower(state, abstract_batch).compile()
 
     t0 = time.perf_counter()

@@ -46,7 +46,7 @@ LAYERS, MARGIN = 4, 0.1
 ROUNDS, STEPS = (5 if goals.QUICK else 41), 1
 
 
-def loss_fn(params, mb, rng):
+def loss_sum_fn(params, mb, rng):
     h = mb["x"]
     for i in range(LAYERS):
         h = jnp.tanh(h @ params[f"w{i}"])
@@ -78,7 +78,7 @@ def main() -> None:
     abstract_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), fresh_state())
 
     def compile_for(size: int) -> jax.stages.Compiled:
-        step = make_train_step(loss_fn, PER_DEVICE // size, microbatch_sharding=rows)
+        step = make_train_step(loss_sum_fn, PER_DEVICE // size, microbatch_sharding=rows)
         return jax.jit(step, donate_argnums=0).lower(abstract_state, batch).compile()
 
     t0 = time.perf_counter()

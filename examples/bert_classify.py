@@ -108,13 +108,13 @@ def train(
         seed=seed,
     )
 
-    def loss_fn(params: Any, mb: dict[str, jax.Array], rng: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    def loss_sum_fn(params: Any, mb: dict[str, jax.Array], rng: jax.Array | None) -> tuple[jax.Array, jax.Array]:
         logits = state.apply_fn(params, mb["tokens"], model_state=state.model_state)
         nll = optax.softmax_cross_entropy_with_integer_labels(logits, mb["label"])
         w = mb["mask"].astype(nll.dtype) if "mask" in mb else jnp.ones_like(nll)
         return jnp.sum(nll * w), jnp.sum(w)
 
-    step = spmd(make_train_step(loss_fn), mesh=mesh, plan=the_plan)
+    step = spmd(make_train_step(loss_sum_fn), mesh=mesh, plan=the_plan)
     data = ArrayDataset(make_data(max(16 * batch, 1024), seq_len, vocab, seed), batch, seed=seed)
     result = Trainer(step, progress=progress).fit(state, data, num_steps=steps)
     return [h["loss"] for h in result.history]

@@ -98,7 +98,7 @@ def train(
     )
     abar = jnp.asarray(alpha_bar())
 
-    def loss_fn(params: Any, mb: dict[str, jax.Array], rng: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    def loss_sum_fn(params: Any, mb: dict[str, jax.Array], rng: jax.Array | None) -> tuple[jax.Array, jax.Array]:
         a = abar[mb["t"]][:, None, None, None]
         x_t = jnp.sqrt(a) * mb["x0"] + jnp.sqrt(1.0 - a) * mb["eps"]
         pred = state.apply_fn(params, x_t, mb["t"], model_state=state.model_state)
@@ -106,7 +106,7 @@ def train(
         w = mb["mask"].astype(per_sample.dtype) if "mask" in mb else jnp.ones_like(per_sample)
         return jnp.sum(per_sample * w), jnp.sum(w)
 
-    step = spmd(make_train_step(loss_fn), mesh=mesh, plan=the_plan)
+    step = spmd(make_train_step(loss_sum_fn), mesh=mesh, plan=the_plan)
     data = ArrayDataset(make_data(max(16 * batch, 1024), seed), batch, seed=seed)
     result = Trainer(step, progress=progress, tokens_in_batch=lambda b: len(b["t"])).fit(state, data, steps)
     return [h["loss"] for h in result.history]

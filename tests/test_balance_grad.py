@@ -18,7 +18,7 @@ from openhosti_jax.mesh import MeshConfig, build_mesh
 M, MB, DIN, H = 8, 4, 6, 16
 
 
-def loss_fn(params, mb, rng):
+def loss_sum_fn(params, mb, rng):
     """Masked MSE of a 2-layer MLP with dropout: (sum over real rows, number of real rows)."""
     h = jnp.tanh(mb["x"] @ params["w1"] + params["b1"])
     keep = jax.random.bernoulli(rng, 0.8, h.shape)
@@ -48,7 +48,7 @@ def make_data(seed=0):
 def reference(params, mbs, rng):
     """Sequential on one device: microbatch k uses fold_in(rng, k); mean over all real samples."""
     singles = [{key: jnp.asarray(v[k]) for key, v in mbs.items()} for k in range(M)]
-    total = lambda p: sum(loss_fn(p, singles[k], jax.random.fold_in(rng, k))[0] for k in range(M))
+    total = lambda p: sum(loss_sum_fn(p, singles[k], jax.random.fold_in(rng, k))[0] for k in range(M))
     n = float(mbs["mask"].sum())
     loss, g = jax.value_and_grad(total)(params)
     return loss / n, jax.tree_util.tree_map(lambda a: a / n, g), n
@@ -69,7 +69,7 @@ def test_grad_equals_reference_for_any_assignment(mesh4, counts):
     params, mbs = make_data()
     rng = jax.random.key(3)
     ref_loss, ref_g, ref_n = reference(params, mbs, rng)
-    step = make_balanced_grad_fn(loss_fn, mesh4, capacity=5)
+    step = make_balanced_grad_fn(loss_sum_fn, mesh4, capacity=5)
     loss, g, n = step(params, place_microbatches(mbs, counts, 5, mesh4), counts, rng)
     assert float(n) == ref_n == 28.0
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
@@ -81,7 +81,7 @@ def test_probe_and_throttle_do_not_change_the_result(mesh4):
     rng = jax.random.key(0)
     counts = (3, 1, 2, 2)
     _, ref_g, _ = reference(params, mbs, rng)
-    step = make_balanced_grad_fn(loss_fn, mesh4, capacity=4, throttle=Throttle.for_devices(4, {1: 3}))
+    step = make_balanced_grad_fn(loss_sum_fn, mesh4, capacity=4, throttle=Throttle.for_devices(4, {1: 3}))
     buf = place_microbatches(mbs, counts, 4, mesh4)
     (loss_p, g_p, _), seconds = step.probe(params, buf, counts, rng)
     loss, g, _ = step(params, buf, counts, rng)
@@ -100,7 +100,7 @@ def test_stall_throttle_slows_only_its_device_and_keeps_the_result(mesh4):
     _, ref_g, _ = reference(params, mbs, rng)
     stall = 0.05  # 2 microbatches x (3 - 1) x 50 ms = 0.2 s on device 2
     step = make_balanced_grad_fn(
-        loss_fn, mesh4, capacity=4, throttle=Throttle.for_devices(4, {2: 3}, microbatch_seconds=stall)
+        loss_sum_fn, mesh4, capacity=4, throttle=Throttle.for_devices(4, {2: 3}, microbatch_seconds=stall)
     )
     buf = place_microbatches(mbs, counts, 4, mesh4)
     (_, g, _), seconds = step.probe(params, buf, counts, rng)
@@ -116,7 +116,7 @@ def test_mesh_with_other_axes_reduces_over_data_only():
     params, mbs = make_data(2)
     rng = jax.random.key(1)
     _, ref_g, _ = reference(params, mbs, rng)
-    step = make_balanced_grad_fn(loss_fn, mesh, capacity=4)
+    step = make_balanced_grad_fn(loss_sum_fn, mesh, capacity=4)
     counts = (1, 3, 2, 2)
     (_, g, n), seconds = step.probe(params, place_microbatches(mbs, counts, 4, mesh), counts, rng)
     assert float(n) == 28.0
@@ -137,7 +137,7 @@ def test_pack_matches_place(mesh4):
 
 def test_bad_assignments_raise(mesh4):
     params, mbs = make_data()
-    step = make_balanced_grad_fn(loss_fn, mesh4, capacity=3)
+    step = make_balanced_grad_fn(loss_sum_fn, mesh4, capacity=3)
     buf = place_microbatches(mbs, (2, 2, 2, 2), 3, mesh4)
     rng = jax.random.key(0)
     with pytest.raises(BalanceError, match="one per data-parallel device"):
@@ -147,11 +147,11 @@ def test_bad_assignments_raise(mesh4):
     with pytest.raises(BalanceError, match="summing to the step's 8"):
         place_microbatches(mbs, (1, 1, 1, 1), 3, mesh4)
     with pytest.raises(BalanceError, match="leading dim 4\\*2=8"):
-        make_balanced_grad_fn(loss_fn, mesh4, capacity=2)(params, buf, (2, 2, 2, 2), rng)
+        make_balanced_grad_fn(loss_sum_fn, mesh4, capacity=2)(params, buf, (2, 2, 2, 2), rng)
     with pytest.raises(BalanceError, match="capacity"):
-        make_balanced_grad_fn(loss_fn, mesh4, capacity=0)
+        make_balanced_grad_fn(loss_sum_fn, mesh4, capacity=0)
     with pytest.raises(BalanceError, match="4 factors"):
-        make_balanced_grad_fn(loss_fn, mesh4, capacity=3, throttle=Throttle((1, 2)))
+        make_balanced_grad_fn(loss_sum_fn, mesh4, capacity=3, throttle=Throttle((1, 2)))
     with pytest.raises(BalanceError, match="ints >= 1"):
         Throttle((1, 0, 1, 1))
 

@@ -180,7 +180,7 @@ def test_full_mode_trains_as_plain_torch_with_sharded_state(plan):
         expected.append(float(loss.detach()))
     kw = {"mesh": build_mesh(MeshConfig(data=1, fsdp=8)), "data_axis": "fsdp"} if plan == "fsdp-axis" else {}
     opt = torch.optim.AdamW(_groups(ours), lr=1e-2)
-    ddp = OptimizedDDP(ours, optimizer=opt, loss_fn=_loss, plan="fsdp" if plan == "fsdp-axis" else plan, **kw)
+    ddp = OptimizedDDP(ours, optimizer=opt, criterion=_loss, plan="fsdp" if plan == "fsdp-axis" else plan, **kw)
     got = [float(ddp.train_step(x, y)) for x, y in batches]
     np.testing.assert_allclose(got, expected, rtol=1e-5)
     if plan != "auto":  # ZeRO-3: the embedding is split over the 8 devices of the batch's axis
@@ -202,9 +202,9 @@ def test_bad_input_is_named():
     torch.manual_seed(0)
     model = TinyGPT()
     with pytest.raises(BridgeError, match="LBFGS has no equivalent here"):
-        OptimizedDDP(model, optimizer=torch.optim.LBFGS(model.parameters()), loss_fn=_loss)
+        OptimizedDDP(model, optimizer=torch.optim.LBFGS(model.parameters()), criterion=_loss)
     with pytest.raises(BridgeError, match="both optimizer"):
-        OptimizedDDP(model, loss_fn=_loss)
+        OptimizedDDP(model, criterion=_loss)
     with pytest.raises(BridgeError, match="full mode"):
         OptimizedDDP(model).train_step(torch.zeros(8, 12, dtype=torch.long), torch.zeros(8, 12, dtype=torch.long))
 

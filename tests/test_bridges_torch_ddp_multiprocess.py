@@ -41,7 +41,7 @@ def worker() -> None:
     make = lambda p: torch.optim.SGD(p, lr=0.5, momentum=0.9)  # noqa: E731
     torch_losses = _train(torch.nn.parallel.DistributedDataParallel(model), make, batches, steps=6)
     our_losses = _train(OptimizedDDP(ours), make, batches, steps=6)
-    full = OptimizedDDP(full_model, optimizer=make(full_model.parameters()), loss_fn=_loss)
+    full = OptimizedDDP(full_model, optimizer=make(full_model.parameters()), criterion=_loss)
     full_losses = [float(full.train_step(x, y)) for x, y in batches]  # the loss of the global batch
     full.state_dict()
 

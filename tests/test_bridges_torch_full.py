@@ -95,7 +95,7 @@ def test_batch_norm_statistics_and_modes_follow_torch(plan):
     reference_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     expected = _torch_steps(reference, reference_opt, batches)
     opt = torch.optim.AdamW(ours.parameters(), lr=1e-2)
-    ddp = OptimizedDDP(ours, optimizer=opt, loss_fn=torch.nn.functional.cross_entropy, plan=plan)
+    ddp = OptimizedDDP(ours, optimizer=opt, criterion=torch.nn.functional.cross_entropy, plan=plan)
     got = [float(ddp.train_step(x, y)) for x, y in batches]
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
     ddp.state_dict()
@@ -138,7 +138,7 @@ def test_microbatches_accumulate_as_torch_does():
 
     def full(model, **kw):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        return OptimizedDDP(model, optimizer=opt, loss_fn=_ce, **kw)
+        return OptimizedDDP(model, optimizer=opt, criterion=_ce, **kw)
 
     whole, split = full(copy.deepcopy(gpt)), full(copy.deepcopy(gpt), microbatch=2)
     a = [float(whole.train_step(x, y)) for x, y in batches]
@@ -155,7 +155,7 @@ def test_microbatches_accumulate_as_torch_does():
     ddp = OptimizedDDP(
         ours,
         optimizer=torch.optim.AdamW(ours.parameters(), lr=1e-2),
-        loss_fn=torch.nn.functional.cross_entropy,
+        criterion=torch.nn.functional.cross_entropy,
         microbatch=2,
     )
     np.testing.assert_allclose([float(ddp.train_step(x, y)) for x, y in images], expected, rtol=1e-5)
@@ -171,7 +171,7 @@ def test_microbatches_accumulate_as_torch_does():
     odd = OptimizedDDP(
         net,
         optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
-        loss_fn=torch.nn.functional.cross_entropy,
+        criterion=torch.nn.functional.cross_entropy,
         microbatch=3,
     )
     with pytest.raises(BatchError, match="do not divide the per-device batch 2"):
@@ -190,7 +190,7 @@ def test_auto_microbatch_fits_the_memory_budget():
 
     def full(**kw):
         model = copy.deepcopy(gpt)
-        return OptimizedDDP(model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2), loss_fn=_ce, **kw)
+        return OptimizedDDP(model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2), criterion=_ce, **kw)
 
     roomy = full(microbatch="auto", memory_budget=2**40)
     expected = [float(roomy.train_step(x, y)) for x, y in batches]
@@ -215,7 +215,7 @@ def test_checkpoint_resumes_bit_identically(tmp_path):
         torch.manual_seed(seed)
         model = TinyGPT(dropout=0.1)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-        return OptimizedDDP(model, optimizer=opt, loss_fn=_ce, checkpoint_dir=tmp_path, every_steps=3)
+        return OptimizedDDP(model, optimizer=opt, criterion=_ce, checkpoint_dir=tmp_path, every_steps=3)
 
     first = make(0)
     losses = [float(first.train_step(x, y)) for x, y in batches]
@@ -244,7 +244,7 @@ def test_state_dict_round_trip_and_direct_module_changes():
         torch.manual_seed(seed)
         model = ConvNet()
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        return OptimizedDDP(model, optimizer=opt, loss_fn=torch.nn.functional.cross_entropy)
+        return OptimizedDDP(model, optimizer=opt, criterion=torch.nn.functional.cross_entropy)
 
     trained = make(0)
     for x, y in batches[:3]:
@@ -275,8 +275,8 @@ def test_full_mode_options_are_checked():
         OptimizedDDP(model, plan="fsdp")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(BridgeError, match="pass checkpoint_dir= too"):
-        OptimizedDDP(model, optimizer=opt, loss_fn=torch.nn.functional.cross_entropy, every_steps=2)
-    ddp = OptimizedDDP(model, optimizer=opt, loss_fn=torch.nn.functional.cross_entropy)
+        OptimizedDDP(model, optimizer=opt, criterion=torch.nn.functional.cross_entropy, every_steps=2)
+    ddp = OptimizedDDP(model, optimizer=opt, criterion=torch.nn.functional.cross_entropy)
     with pytest.raises(BridgeError, match="found no checkpoint_dir"):
         ddp.save_checkpoint()
 
@@ -300,7 +300,9 @@ def test_balanced_full_mode_equals_torch_and_moves_work_off_a_slow_device():
     mesh = build_mesh(MeshConfig(data=4), devices=jax.devices()[:4])
     slow = Throttle.for_devices(4, {3: 4}, microbatch_seconds=0.01)
     opt = torch.optim.AdamW(ours.parameters(), lr=3e-3, weight_decay=0.1)
-    ddp = OptimizedDDP(ours, mesh, optimizer=opt, loss_fn=_ce, balance=True, microbatches=16, every=1, throttle=slow)
+    ddp = OptimizedDDP(
+        ours, mesh, optimizer=opt, criterion=_ce, balance=True, balance_microbatches=16, every=1, throttle=slow
+    )
     got = [float(ddp.train_step(x, y)) for x, y in batches]
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
     assert got[-1] < got[0]
@@ -312,24 +314,36 @@ def test_balanced_full_mode_equals_torch_and_moves_work_off_a_slow_device():
 
 
 def test_balanced_full_mode_refuses_buffers_zero3_and_stray_options():
-    """BatchNorm's buffers (named), a ZeRO-3 plan, the plain mode's microbatch=, unknown balancer keywords, and
-    balancer keywords without balance=True are refused before any step."""
+    """BatchNorm's buffers (named), a ZeRO-3 plan, the plain mode's microbatch=, unknown balancer keywords,
+    balancer keywords without balance=True and the options' former names are refused before any step."""
     net = ConvNet()
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     ce = torch.nn.functional.cross_entropy
     with pytest.raises(BridgeError, match=r"cannot carry module buffers.*'bn.running_mean'"):
-        OptimizedDDP(net, optimizer=opt, loss_fn=ce, balance=True)
+        OptimizedDDP(net, optimizer=opt, criterion=ce, balance=True)
     gpt = TinyGPT()
     opt = torch.optim.SGD(gpt.parameters(), lr=0.1)
     for plan in ("fsdp", 3):
         with pytest.raises(BridgeError, match=f"replicated over the data axis.*found {plan}"):
-            OptimizedDDP(gpt, optimizer=opt, loss_fn=_ce, plan=plan, balance=True)
-    with pytest.raises(BridgeError, match="expected no microbatch="):
-        OptimizedDDP(gpt, optimizer=opt, loss_fn=_ce, balance=True, microbatch=2)
+            OptimizedDDP(gpt, optimizer=opt, criterion=_ce, plan=plan, balance=True)
+    # microbatch= (accumulation steps of the unbalanced step) and balance_microbatches= (pieces the balancer
+    # spreads) are two different counts: mixing them is refused, naming both
+    for kw in ({"microbatch": 2}, {"microbatch": 2, "balance_microbatches": 8}):
+        with pytest.raises(BridgeError, match=r"balance_microbatches= pieces.*found microbatch=2"):
+            OptimizedDDP(gpt, optimizer=opt, criterion=_ce, balance=True, **kw)
     with pytest.raises(BridgeError, match=r"found \['evry'\]"):
-        OptimizedDDP(gpt, optimizer=opt, loss_fn=_ce, balance=True, evry=1)
-    with pytest.raises(BridgeError, match="found balance=False"):
-        OptimizedDDP(gpt, optimizer=opt, loss_fn=_ce, microbatches=8)
+        OptimizedDDP(gpt, optimizer=opt, criterion=_ce, balance=True, evry=1)
+    with pytest.raises(
+        BridgeError, match=r"\['balance_microbatches'\] configure the load-balanced.*found balance=False"
+    ):
+        OptimizedDDP(gpt, optimizer=opt, criterion=_ce, balance_microbatches=8)
+    with pytest.raises(BridgeError, match=r"expected balance_microbatches= an int >= 1"):
+        OptimizedDDP(gpt, optimizer=opt, criterion=_ce, balance=True, balance_microbatches=0)
+    # the former names say what they are called now
+    with pytest.raises(
+        BridgeError, match=r"\['loss_fn', 'microbatches'\] are named \['balance_microbatches', 'criterion'\]"
+    ):
+        OptimizedDDP(gpt, optimizer=opt, loss_fn=_ce, balance=True, microbatches=8)
     with pytest.raises(BridgeError, match="belong to the full mode"):
         OptimizedDDP(gpt, balance=True)
 
@@ -363,7 +377,7 @@ def test_full_mode_follows_torch_lr_schedulers(schedule):
         return _ce(out, targets)
 
     opt, sched = scheduled(ours)
-    ddp = OptimizedDDP(ours, optimizer=opt, loss_fn=loss)
+    ddp = OptimizedDDP(ours, optimizer=opt, criterion=loss)
     got, rates = [], []
     for x, y in batches:
         got.append(float(ddp.train_step(x, y)))
@@ -395,7 +409,7 @@ def test_full_mode_takes_a_dataloaders_short_last_batch(plan):
     loader = torch.utils.data.DataLoader(data, batch_size=8)
     expected = _torch_steps(reference, torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9), [*loader] * 2)
     opt = torch.optim.SGD(ours.parameters(), lr=0.1, momentum=0.9)
-    ddp = OptimizedDDP(ours, optimizer=opt, loss_fn=torch.nn.functional.cross_entropy, plan=plan)
+    ddp = OptimizedDDP(ours, optimizer=opt, criterion=torch.nn.functional.cross_entropy, plan=plan)
     got = [float(ddp.train_step(x, y)) for _ in range(2) for x, y in loader]
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
     ddp.state_dict()

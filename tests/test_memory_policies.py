@@ -196,7 +196,7 @@ def test_bf16_params_state_bytes_match_the_formula(stage):
 def test_fp16_loss_scaling_skips_a_non_finite_step_and_reports_it():
     mesh = oh.build_mesh(oh.MeshConfig(data=8))
 
-    def loss_fn(p, batch, rng):
+    def loss_sum_fn(p, batch, rng):
         out = state.apply_fn({"params": p}, batch["x"])
         return jnp.sum((out - batch["y"]) ** 2), batch["x"].shape[0]
 
@@ -205,7 +205,7 @@ def test_fp16_loss_scaling_skips_a_non_finite_step_and_reports_it():
     state, plan = oh.create_train_state(
         lambda r: model.init(r, x)["params"], optax.adam(1e-2), mesh, plan="dp", apply_fn=model.apply, precision="fp16"
     )
-    step = oh.spmd(oh.make_train_step(loss_fn), mesh=mesh, plan=plan)
+    step = oh.spmd(oh.make_train_step(loss_sum_fn), mesh=mesh, plan=plan)
     good = {"x": x, "y": jnp.ones((8, 1))}
     scale, skipped = 2.0**15, 0
     for _ in range(8):  # the initial scale overflows float16 here: each skipped step halves it, as in GradScaler
@@ -251,10 +251,10 @@ def test_a_step_that_accumulates_gets_remat_and_microbatches_chosen_together_and
     init, batch = _scanned_gpt()
     apply = model_parts(init).apply_fn
 
-    def loss_fn(p, tokens, rng):
+    def loss_sum_fn(p, tokens, rng):
         return next_token_loss(apply(p, tokens), tokens)
 
-    step_fn = oh.make_train_step(loss_fn)
+    step_fn = oh.make_train_step(loss_sum_fn)
     tx = optax.adam(1e-3)
     free, free_report = choose_plan(init, tx, batch, step_fn=step_fn, device_profile="H100", memory_budget=2**40)
     budget = int(free_report.compiled_bytes * 0.6)

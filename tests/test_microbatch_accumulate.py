@@ -32,7 +32,7 @@ def per_sample(p, x, y):
     return ((h @ p["out"])[:, 0] - y) ** 2
 
 
-def loss_fn(p, mb, rng):
+def loss_sum_fn(p, mb, rng):
     m = mb["mask"].astype(jnp.float32)
     return jnp.sum(per_sample(p, mb["x"], mb["y"]) * m), jnp.sum(m)
 
@@ -75,7 +75,7 @@ def test_sharded_accumulation_matches_full_batch(mesh, k):
     rows = NamedSharding(mesh, P("data"))
     rep = NamedSharding(mesh, P())
     placed = jax.device_put(batch, rows)
-    fn = jax.jit(lambda p, b: accumulate_gradients(loss_fn, p, b, k, microbatch_sharding=rows, accum_sharding=rep))
+    fn = jax.jit(lambda p, b: accumulate_gradients(loss_sum_fn, p, b, k, microbatch_sharding=rows, accum_sharding=rep))
     loss, grads, metrics = fn(jax.device_put(params, rep), placed)
     ref_loss, ref_grads = reference(params, batch)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5, atol=1e-5)
@@ -90,7 +90,7 @@ def test_padded_last_microbatch_matches_full_batch(mesh, n, k):
     rows = NamedSharding(mesh, P("data"))
     size, padded = microbatch_layout(n, k, 8)
     assert padded > n  # the split really pads
-    fn = jax.jit(lambda p, b: accumulate_gradients(loss_fn, p, b, k, microbatch_sharding=rows))
+    fn = jax.jit(lambda p, b: accumulate_gradients(loss_sum_fn, p, b, k, microbatch_sharding=rows))
     loss, grads, metrics = fn(params, jax.device_put(batch, rows))
     ref_loss, ref_grads = reference(params, batch)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5, atol=1e-5)
@@ -102,12 +102,12 @@ def test_missing_mask_is_added_and_existing_mask_respected():
     params = init(jax.random.key(4))
     batch = make_batch(10, seed=5)
     batch["mask"] = batch["mask"].at[7:].set(False)  # the data pipeline already masked 3 rows
-    loss, grads, _ = jax.jit(accumulate_gradients, static_argnums=(0, 3))(loss_fn, params, batch, 4)  # 4 x 3
+    loss, grads, _ = jax.jit(accumulate_gradients, static_argnums=(0, 3))(loss_sum_fn, params, batch, 4)  # 4 x 3
     ref_loss, ref_grads = reference(params, batch)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5, atol=1e-5)
     assert_tree_close(grads, ref_grads)
     no_mask = {"x": batch["x"], "y": batch["y"]}
-    loss2, _, metrics = jax.jit(accumulate_gradients, static_argnums=(0, 3))(loss_fn, params, no_mask, 3)
+    loss2, _, metrics = jax.jit(accumulate_gradients, static_argnums=(0, 3))(loss_sum_fn, params, no_mask, 3)
     assert int(metrics["num_real"]) == 10
     np.testing.assert_allclose(float(loss2), float(reference(params, make_batch(10, seed=5))[0]), rtol=1e-5)
 
@@ -116,7 +116,7 @@ def test_accumulator_sharding_and_dtypes(mesh):
     params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), init(jax.random.key(6)))
     batch = jax.device_put(make_batch(64, seed=7), NamedSharding(mesh, P("data")))
     accum = {k: NamedSharding(mesh, P("data") if k == "w1" else P()) for k in params}
-    fn = jax.jit(lambda p, b: accumulate_gradients(loss_fn, p, b, 4, accum_sharding=accum))
+    fn = jax.jit(lambda p, b: accumulate_gradients(loss_sum_fn, p, b, 4, accum_sharding=accum))
     _, grads, _ = fn(params, batch)
     assert all(g.dtype == jnp.bfloat16 for g in jax.tree.leaves(grads))
     assert grads["w1"].sharding.spec == P("data")
@@ -127,7 +127,7 @@ def test_accumulator_sharding_and_dtypes(mesh):
 
 def test_rng_per_microbatch_and_aux_summed():
     def noisy(p, mb, rng):
-        s, n = loss_fn(p, mb, rng)
+        s, n = loss_sum_fn(p, mb, rng)
         return s, (n, {"draw": jax.random.uniform(rng), "rows": jnp.sum(mb["mask"])})
 
     key = jax.random.key(8)
@@ -144,7 +144,7 @@ def test_train_step_equals_full_batch_sgd(mesh):
     rows = NamedSharding(mesh, P("data"))
     ref_loss, ref_grads = reference(params, batch)
     state = TrainState.create(apply_fn=None, params=params, tx=optax.sgd(0.5), rng=jax.random.key(0))
-    step = jax.jit(make_train_step(loss_fn, 8, microbatch_sharding=rows), donate_argnums=0)
+    step = jax.jit(make_train_step(loss_sum_fn, 8, microbatch_sharding=rows), donate_argnums=0)
     expected = jax.tree.map(lambda p, g: np.asarray(p) - 0.5 * np.asarray(g), params, ref_grads)
     new, metrics = step(state, jax.device_put(batch, rows))
     assert int(new.step) == 1
@@ -156,10 +156,10 @@ def test_train_step_equals_full_batch_sgd(mesh):
 def test_bad_batches_raise_typed_errors():
     params = init(jax.random.key(0))
     with pytest.raises(BatchError, match="leading"):
-        accumulate_gradients(loss_fn, params, {"x": jnp.ones((4, 8)), "y": jnp.ones((5,))}, 2)
+        accumulate_gradients(loss_sum_fn, params, {"x": jnp.ones((4, 8)), "y": jnp.ones((5,))}, 2)
     with pytest.raises(BatchError, match="dict batch"):
         accumulate_gradients(lambda p, b, r: (jnp.sum(b), 1), params, jnp.ones((5, 8)), 2)
     with pytest.raises(BatchError, match="positive int"):
-        accumulate_gradients(loss_fn, params, make_batch(4), 0)
+        accumulate_gradients(loss_sum_fn, params, make_batch(4), 0)
     with pytest.raises(ShardingError, match="NamedSharding"):
-        accumulate_gradients(loss_fn, params, make_batch(4), 2, microbatch_sharding="data")
+        accumulate_gradients(loss_sum_fn, params, make_batch(4), 2, microbatch_sharding="data")

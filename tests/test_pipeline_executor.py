@@ -43,13 +43,13 @@ PARAMS = [
 ]
 TOK = jax.random.randint(k[6], (16, 4), 0, 11)
 LAB = jax.random.randint(k[7], (16,), 0, 3)
-def loss_fn(logits, labels):
+def mean_loss_fn(logits, labels):
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 def model_loss(params, tok, lab):
     h = tok
     for f, p in zip(LAYERS, params):
         h = f(p, h)
-    return loss_fn(h, lab)
+    return mean_loss_fn(h, lab)
 def single_device_reference(params, tok, lab):
     cpu0 = jax.devices()[0]
     args = jax.device_put((params, tok, lab), cpu0)
@@ -82,7 +82,7 @@ def test_gpipe_and_1f1b_match_unpipelined_on_4_stages_x_2_data(tmp_path):
         cut = partition(costs, 4, 4)
         res = {"sizes": [len(r) for r in cut.stages]}
         for sch in (gpipe(4, 4), one_f_one_b(4, 4)):
-            loss, grads = pipeline_value_and_grad(LAYERS, PARAMS, (TOK, LAB), loss_fn, mesh, cut, sch)
+            loss, grads = pipeline_value_and_grad(LAYERS, PARAMS, (TOK, LAB), mean_loss_fn, mesh, cut, sch)
             res[sch.name] = [abs(float(loss) - float(ref_loss)), max_err(grads, ref_grads), float(ref_loss)]
         print(json.dumps(res))
         """,
@@ -107,7 +107,7 @@ def test_interleaved_and_nnx_fsdp_match_unpipelined(tmp_path):
         mesh = build_mesh(MeshConfig(stage=2, data=4))
         sch = interleaved_one_f_one_b(2, 2, 2)
         cut = partition(costs, 4, 2)
-        loss, grads = pipeline_value_and_grad(LAYERS, PARAMS, (TOK, LAB), loss_fn, mesh, cut, sch)
+        loss, grads = pipeline_value_and_grad(LAYERS, PARAMS, (TOK, LAB), mean_loss_fn, mesh, cut, sch)
         res = {"interleaved": [abs(float(loss) - float(ref_loss)), max_err(grads, ref_grads)]}
 
         class Block(nnx.Module):

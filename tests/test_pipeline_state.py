@@ -49,7 +49,7 @@ for name, s, sch, axes, zero in [
     mesh = build_mesh(MeshConfig(stage=s, **axes))
     cut = partition(costs, sch.num_chunks, 4)
     state = init_pipeline_state(PARAMS, tx, mesh, cut, sch, zero_stage=zero)
-    step = make_pipeline_train_step(LAYERS, loss_fn, mesh, cut, sch, state)
+    step = make_pipeline_train_step(LAYERS, mean_loss_fn, mesh, cut, sch, state)
     losses = []
     for _ in range(STEPS):
         state, m = step(state, (TOK, LAB))

@@ -7,7 +7,7 @@ import pytest
 
 from openhosti_jax import MeshConfig, balanced_step, build_mesh
 from openhosti_jax.balance import Throttle
-from openhosti_jax.demo.gpt_job import GPTJob, build_job, gpt_loss_fn
+from openhosti_jax.demo.gpt_job import GPTJob, build_job, gpt_loss_sum_fn
 from openhosti_jax.errors import BatchError, ShardingError, StateError
 
 JOB = GPTJob(steps=4, global_batch=32, num_sequences=256, plan="dp", progress=False)
@@ -18,11 +18,11 @@ JOB = GPTJob(steps=4, global_batch=32, num_sequences=256, plan="dp", progress=Fa
 def test_balanced_gpt_step_equals_plain_step_and_moves_work_off_a_slow_device():
     mesh = build_mesh(MeshConfig(data=4), devices=jax.devices()[:4])
     state, plan, plain, data = build_job(JOB, mesh)
-    loss_fn = gpt_loss_fn(state.apply_fn, state.model_state)
+    loss_sum_fn = gpt_loss_sum_fn(state.apply_fn, state.model_state)
     # device 3 stalls 3 x 10 ms per microbatch: slower without taking the 2 shared cores from its peers, so no
     # other device's timing is disturbed by its extra work (a compute throttle made the counts flaky under load)
     slow = Throttle.for_devices(4, {3: 4}, microbatch_seconds=0.01)
-    balanced = balanced_step(loss_fn, mesh=mesh, plan=plan, microbatches=16, every=1, throttle=slow)
+    balanced = balanced_step(loss_sum_fn, mesh=mesh, plan=plan, microbatches=16, every=1, throttle=slow)
     ref_state, _, _, _ = build_job(JOB, mesh)
     losses, ref_losses = [], []
     for _ in range(4):
@@ -44,14 +44,14 @@ def test_balanced_gpt_step_equals_plain_step_and_moves_work_off_a_slow_device():
 def test_balance_needs_a_plan_and_divisible_batches():
     mesh = build_mesh(MeshConfig(data=4), devices=jax.devices()[:4])
     state, plan, _, data = build_job(JOB, mesh)
-    loss_fn = gpt_loss_fn(state.apply_fn, state.model_state)
+    loss_sum_fn = gpt_loss_sum_fn(state.apply_fn, state.model_state)
     with pytest.raises(StateError, match="ShardingPlan"):
-        balanced_step(loss_fn, mesh=mesh, plan="dp")
+        balanced_step(loss_sum_fn, mesh=mesh, plan="dp")
     fsdp_mesh = build_mesh(MeshConfig(data=1, fsdp=4), devices=jax.devices()[:4])
     _, fsdp_plan, _, _ = build_job(GPTJob(**{**JOB.__dict__, "plan": "fsdp"}), fsdp_mesh)
     with pytest.raises(ShardingError, match="use plan='dp', 'zero1' or 'zero2'"):
-        balanced_step(loss_fn, mesh=fsdp_mesh, plan=fsdp_plan)
-    step = balanced_step(loss_fn, mesh=mesh, plan=plan, microbatches=5)
+        balanced_step(loss_sum_fn, mesh=fsdp_mesh, plan=fsdp_plan)
+    step = balanced_step(loss_sum_fn, mesh=mesh, plan=plan, microbatches=5)
     with pytest.raises(BatchError, match="not divisible by microbatches=5"):
         step(state, next(data))
 
@@ -61,10 +61,10 @@ def test_balance_needs_a_plan_and_divisible_batches():
 def test_a_non_finite_balanced_step_leaves_the_state_as_it_was():
     mesh = build_mesh(MeshConfig(data=4), devices=jax.devices()[:4])
     state, plan, _, data = build_job(JOB, mesh)
-    loss_fn = gpt_loss_fn(state.apply_fn, state.model_state)
+    loss_sum_fn = gpt_loss_sum_fn(state.apply_fn, state.model_state)
 
     def nan_loss(p, mb, rng):
-        total, n = loss_fn(p, mb, rng)
+        total, n = loss_sum_fn(p, mb, rng)
         return total * jnp.nan, n
 
     before = jax.device_get(state)

@@ -87,3 +87,37 @@ def test_bad_strategy_and_bad_spec_are_typed_errors():
         indivisible.validate({"w": jax.ShapeDtypeStruct((12,), jnp.float32)})
     with pytest.raises(StateError, match="init_fn"):
         create_train_state(lambda r: undefined_name, optax.sgd(0.1), mesh)  # noqa: F821
+
+
+def test_created_state_unpacks_as_state_and_plan_and_keeps_the_planners_report():
+    """``state, plan = create_train_state(...)`` still unpacks; ``.report`` is the planner's where it planned (the
+    ranked candidates of ``"auto"``, the stage a strategy name maps to) and None for a given `ShardingPlan`."""
+    import pickle
+
+    from openhosti_jax.sharding import PlanReport
+    from openhosti_jax.train import CreatedState
+    from openhosti_jax.train.create import resolve_plan
+
+    mesh = build_mesh(MeshConfig(data=2, fsdp=4))
+    init = lambda r: {"w": jax.random.normal(r, (64, 64)), "b": jnp.zeros((64,))}  # noqa: E731
+    tx = optax.adam(1e-3)
+
+    auto = create_train_state(init, tx, mesh, plan="auto")
+    assert isinstance(auto, CreatedState) and isinstance(auto, tuple) and len(auto) == 2
+    state, plan = auto
+    assert state is auto.state and plan is auto.plan and auto[0] is state and auto[1] is plan
+    assert isinstance(auto.report, PlanReport) and auto.report.plan is plan
+    # the planner's reasons: its ranked candidates, the winner first, and its prediction
+    assert len(auto.report.candidates) > 1 and auto.report.predicted_bytes is not None
+    assert auto.report.candidates[0].label in str(auto.report)
+
+    named = create_train_state(init, tx, mesh, plan="zero1")
+    assert named.plan.zero_stage == 1 and named.report.plan is named.plan
+    assert named.report.notes == resolve_plan("zero1", jax.eval_shape(init, jax.random.key(0)), tx, mesh)[1].notes
+
+    given = create_train_state(init, tx, mesh, plan=named.plan)
+    assert given.report is None and given.plan is named.plan
+    np.testing.assert_array_equal(np.asarray(given.state.params["w"]), np.asarray(named.state.params["w"]))
+
+    copied = pickle.loads(pickle.dumps(CreatedState("state", "plan", "report")))  # pickles with its report
+    assert copied == ("state", "plan") and copied.report == "report" and isinstance(copied, CreatedState)

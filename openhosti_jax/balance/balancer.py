@@ -8,8 +8,8 @@ Example:
     >>> import jax, jax.numpy as jnp, numpy as np
     >>> from openhosti_jax.balance import Balancer
     >>> mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
-    >>> loss_fn = lambda p, mb, rng: (jnp.sum((mb["x"] * p["w"]) ** 2), jnp.float32(mb["x"].size))
-    >>> bal = Balancer(loss_fn, mesh, total=8, every=1)
+    >>> loss_sum_fn = lambda p, mb, rng: (jnp.sum((mb["x"] * p["w"]) ** 2), jnp.float32(mb["x"].size))
+    >>> bal = Balancer(loss_sum_fn, mesh, total=8, every=1)
     >>> loss, grads, n = bal({"w": jnp.float32(1.0)}, {"x": np.ones((8, 2), np.float32)}, jax.random.key(0))
     >>> float(loss), int(n), sum(bal.counts)
     (1.0, 16, 8)
@@ -28,7 +28,7 @@ from openhosti_jax.balance.grad import make_balanced_grad_fn
 from openhosti_jax.balance.monitor import Monitor
 from openhosti_jax.balance.rebalancer import Rebalancer, describe_assignment
 from openhosti_jax.balance.throttle import Throttle
-from openhosti_jax.state.contracts import LossFn
+from openhosti_jax.state.contracts import SummedLossFn
 
 
 class Balancer:
@@ -39,7 +39,7 @@ class Balancer:
 
     def __init__(
         self,
-        loss_fn: LossFn,
+        loss_sum_fn: SummedLossFn,
         mesh: Mesh,
         *,
         total: int,
@@ -56,7 +56,7 @@ class Balancer:
             capacity = min(total, 2 * -(-total // max(size, 1)))
         self.rebalancer = Rebalancer(total=total, size=size, capacity=capacity, hysteresis=hysteresis)
         self.monitor = Monitor(size, every=every, alpha=alpha)
-        self.step_fn = make_balanced_grad_fn(loss_fn, mesh, axis=axis, capacity=capacity, throttle=throttle)
+        self.step_fn = make_balanced_grad_fn(loss_sum_fn, mesh, axis=axis, capacity=capacity, throttle=throttle)
         self.failed = tuple(failed)
         self.counts = self.rebalancer.update((), [1.0] * size, self.failed)
         """The assignment the next step runs with."""

@@ -7,16 +7,16 @@ Each device of the data axis gets a buffer of ``capacity`` microbatches and accu
 sample count) then gives the exact global mean over real samples, whatever the assignment. Microbatch ``k`` of
 the global order gets the key ``fold_in(rng, k)``, so dropout is assignment-independent too.
 
-The loss contract is `openhosti_jax.state.contracts.LossFn`: ``loss_fn(params, microbatch, rng) -> (loss_sum,
+The loss contract is `openhosti_jax.state.contracts.SummedLossFn`: ``loss_sum_fn(params, microbatch, rng) -> (loss_sum,
 num_real)``.
 
 Example:
     >>> import jax, jax.numpy as jnp, numpy as np
     >>> from openhosti_jax.balance import make_balanced_grad_fn, place_microbatches
     >>> mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
-    >>> loss_fn = lambda p, mb, rng: (jnp.sum((mb["x"] * p["w"]) ** 2), jnp.float32(mb["x"].shape[0]))
+    >>> loss_sum_fn = lambda p, mb, rng: (jnp.sum((mb["x"] * p["w"]) ** 2), jnp.float32(mb["x"].shape[0]))
     >>> mbs = {"x": np.arange(16.0, dtype=np.float32).reshape(8, 2)}
-    >>> step = make_balanced_grad_fn(loss_fn, mesh, capacity=4)
+    >>> step = make_balanced_grad_fn(loss_sum_fn, mesh, capacity=4)
     >>> buf = place_microbatches(mbs, (4, 1, 2, 1), 4, mesh)
     >>> loss, grads, n = step({"w": jnp.float32(1.0)}, buf, (4, 1, 2, 1), jax.random.key(0))
     >>> round(float(loss), 3), round(float(grads["w"]), 3), int(n)
@@ -40,14 +40,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from openhosti_jax.balance.buffer import validate_counts
 from openhosti_jax.balance.throttle import Throttle
 from openhosti_jax.errors import BalanceError
-from openhosti_jax.state.contracts import LossFn
+from openhosti_jax.state.contracts import SummedLossFn
 
 
 def _varying(x: Any, axis: str) -> Any:
     return jax.tree_util.tree_map(lambda a: jax.lax.pcast(a, axis, to="varying"), x)
 
 
-def _local_phase(loss_fn: LossFn, axis: str, stalls: bool, params, buffer, counts, rng, throttle):
+def _local_phase(loss_sum_fn: SummedLossFn, axis: str, stalls: bool, params, buffer, counts, rng, throttle):
     """Per-device partial sums ``(loss_sum, n_real, grad_sum, sink)``, each with a leading axis of 1.
 
     ``throttle``: None, or per data position the extra gradient evaluations (int) or, if ``stalls``, the
@@ -57,7 +57,7 @@ def _local_phase(loss_fn: LossFn, axis: str, stalls: bool, params, buffer, count
     n = counts[i]
     offset = jnp.cumsum(counts)[i] - n
     params = _varying(params, axis)
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    grad_fn = jax.value_and_grad(loss_sum_fn, has_aux=True)
 
     def one(j):
         mb = jax.tree_util.tree_map(lambda b: jax.lax.dynamic_index_in_dim(b, j, keepdims=False), buffer)
@@ -114,7 +114,7 @@ class BalancedGradFn:
     by other processes; `Monitor.observe` gathers them).
     """
 
-    def __init__(self, loss_fn: LossFn, mesh: Mesh, axis: str, capacity: int, throttle: Throttle | None):
+    def __init__(self, loss_sum_fn: SummedLossFn, mesh: Mesh, axis: str, capacity: int, throttle: Throttle | None):
         if axis not in mesh.axis_names:
             raise BalanceError(f"expected axis {axis!r} in the mesh axes {mesh.axis_names}; pass axis=")
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
@@ -134,7 +134,7 @@ class BalancedGradFn:
             per_position = throttle.stall_seconds if stalls else throttle.extra
             self._extra = jax.device_put(per_position, self._replicated)
         rep, data = PartitionSpec(), PartitionSpec(axis)
-        local = partial(_local_phase, loss_fn, axis, stalls)
+        local = partial(_local_phase, loss_sum_fn, axis, stalls)
         if throttle is None:
             local_fn, in_specs = (lambda p, b, c, r: local(p, b, c, r, None)), (rep, data, rep, rep)
         else:
@@ -194,7 +194,7 @@ def _reduce(partials):
 
 
 def make_balanced_grad_fn(
-    loss_fn: LossFn, mesh: Mesh, *, axis: str = "data", capacity: int, throttle: Throttle | None = None
+    loss_sum_fn: SummedLossFn, mesh: Mesh, *, axis: str = "data", capacity: int, throttle: Throttle | None = None
 ) -> BalancedGradFn:
     """A `BalancedGradFn` over ``mesh[axis]`` with ``capacity`` microbatch slots per device."""
-    return BalancedGradFn(loss_fn, mesh, axis, capacity, throttle)
+    return BalancedGradFn(loss_sum_fn, mesh, axis, capacity, throttle)

@@ -28,9 +28,11 @@ from openhosti_jax.microbatch import make_train_step
 from openhosti_jax.models.gpt import GPT, GPTConfig, make_corpus, next_token_loss
 from openhosti_jax.planner.choose import choose_plan
 from openhosti_jax.sharding.plan import ShardingPlan
+from openhosti_jax.state.contracts import SummedLossFn
 from openhosti_jax.state.model import model_parts
 from openhosti_jax.state.train_state import TrainState
-from openhosti_jax.train import FitResult, SpmdStep, Trainer, TrainerCheckpoint, create_train_state, resolve_plan, spmd
+from openhosti_jax.train import FitResult, SpmdStep, Trainer, TrainerCheckpoint, create_train_state, spmd
+from openhosti_jax.train.create import resolve_plan
 from openhosti_jax.train.logs import log_to_file
 
 
@@ -80,19 +82,20 @@ class GPTJob:
             )
 
 
-def gpt_loss_fn(apply_fn: Callable[..., jax.Array], model_state: Any) -> Callable[..., tuple[jax.Array, jax.Array]]:
-    """``loss_fn(params, batch, rng) -> (sum of token losses, number of tokens)`` for `make_train_step`."""
+def gpt_loss_sum_fn(apply_fn: Callable[..., jax.Array], model_state: Any) -> SummedLossFn:
+    """``loss_sum_fn(params, batch, rng) -> (sum of token losses, number of tokens)`` (`SummedLossFn`) for
+    `make_train_step` and `openhosti_jax.balanced_step`."""
 
-    def loss_fn(params: Any, batch: dict[str, jax.Array], rng: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    def loss_sum_fn(params: Any, batch: dict[str, jax.Array], rng: jax.Array | None) -> tuple[jax.Array, jax.Array]:
         logits = apply_fn(params, batch["tokens"], rng, model_state=model_state)
         return next_token_loss(logits, batch["tokens"], batch.get("mask"))
 
-    return loss_fn
+    return loss_sum_fn
 
 
 def gpt_train_step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, Any]]:
     """One optimizer step of next-token prediction (dropout keys from ``state.rng``)."""
-    step = make_train_step(gpt_loss_fn(state.apply_fn, state.model_state))
+    step = make_train_step(gpt_loss_sum_fn(state.apply_fn, state.model_state))
     return step(state, batch)
 
 

@@ -14,7 +14,8 @@ torchrun's variables, process 0's parameters and buffers are broadcast as DDP br
 averaged over the processes. Batch norm normalises over the global batch (as ``SyncBatchNorm``), where DDP's
 normalises over each process's.
 
-The full mode, ``OptimizedDDP(module, optimizer=opt, loss_fn=loss, plan="fsdp")`` then ``model.train_step(x, y)``,
+The full mode, ``OptimizedDDP(module, optimizer=opt, criterion=loss, plan="fsdp")`` then ``model.train_step(x, y)``
+(``criterion(outputs, targets) -> loss``, a torch loss such as ``torch.nn.functional.cross_entropy``),
 maps the torch optimizer to optax (`openhosti_jax.bridges.torch_optim`: SGD, Adam(W), Adamax, NAdam, RAdam, Adadelta,
 Adagrad, RMSprop with their options and groups, as torch steps them; each step reads every group's ``lr`` (momentum,
 betas, ...) from ``optimizer.param_groups``, so a torch LR scheduler stepped in the loop is honoured) and runs
@@ -37,15 +38,16 @@ new ``OptimizedDDP`` on the same directory resumes from its latest good step at 
 `state_dict` writes the trained weights and buffers back into the module; `load_state_dict` (or `load_module` after
 changing the module directly) takes the module's values into the train state, keeping the optimizer state.
 
-``balance=True, microbatches=N`` makes the full mode's step a load-balanced one (`openhosti_jax.balanced_step`): each
-batch is cut into N microbatches of consecutive rows, which a `openhosti_jax.balance.Balancer` spreads over the data
-axis by measured speed (keyword arguments it takes, e.g. ``throttle=``, ``every=``, pass through). The torch loss, a
-mean over rows, counts as ``(mean * rows, rows)`` per microbatch, so the gradient is the mean over the batch's rows as
-torch's (exact when every row weighs the same in the mean, as in a mean over rows or over a fixed number of tokens per
-row). The plan must keep the parameters replicated over the data axis (``"dp"``, the default then, ``"zero1"``,
-``"zero2"``); modules with buffers are refused (the balanced step carries no buffers, and BatchNorm statistics
-cannot follow torch's order when devices run different numbers of microbatches at once). Microbatch k's dropout key
-is ``fold_in`` of the step's key and k, whichever device runs it.
+``balance=True, balance_microbatches=N`` makes the full mode's step a load-balanced one
+(`openhosti_jax.balanced_step`): each batch is cut into N microbatches of consecutive rows, which a
+`openhosti_jax.balance.Balancer` spreads over the data axis by measured speed (keyword arguments it takes, e.g.
+``throttle=``, ``every=``, pass through); it is not ``microbatch=``, the accumulation steps of the unbalanced step,
+and the two are refused together. The criterion, a mean over rows, counts as ``(mean * rows, rows)`` per microbatch,
+so the gradient is the mean over the batch's rows as torch's (exact when every row weighs the same in the mean, as in
+a mean over rows or over a fixed number of tokens per row). The plan must keep the parameters replicated over the
+data axis (``"dp"``, the default then, ``"zero1"``, ``"zero2"``); modules with buffers are refused (the balanced
+step carries no buffers, and BatchNorm statistics cannot follow torch's order when devices run different numbers of
+microbatches at once). Microbatch k's dropout key is ``fold_in`` of the step's key and k, whichever device runs it.
 
 Example:
     >>> import torch
@@ -83,11 +85,14 @@ from openhosti_jax.sharding.plan import ShardingPlan
 from openhosti_jax.state.context import constrain_gradients, current_microbatches
 from openhosti_jax.state.init import abstract_train_state
 from openhosti_jax.train.balanced import BalancedStep
-from openhosti_jax.train.create import Strategy, create_train_state
+from openhosti_jax.train.create import PlanChoice, create_train_state
 from openhosti_jax.train.spmd_step import SpmdStep, spmd
 
+_RENAMED = {"loss_fn": "criterion", "microbatches": "balance_microbatches"}
+"""Former option names and their names now: a caller using one gets an error naming the new one."""
 
-def _zero_stage(plan: Strategy) -> int | None:
+
+def _zero_stage(plan: PlanChoice) -> int | None:
     """The ZeRO stage a plan names (None for ``"auto"`` before the planner resolves it)."""
     if isinstance(plan, ShardingPlan):
         return plan.zero_stage
@@ -107,28 +112,36 @@ class OptimizedDDP(torch.nn.Module):
         seed: int = 0,
         *,
         optimizer: torch.optim.Optimizer | None = None,
-        loss_fn: Any = None,
-        plan: Strategy | None = None,
+        criterion: Any = None,
+        plan: PlanChoice | None = None,
         microbatch: int | str | None = None,
         memory_budget: int | None = None,
         checkpoint_dir: str | os.PathLike[str] | None = None,
         every_steps: int | None = None,
         keep: int | None = 3,
         balance: bool = False,
-        microbatches: int | None = None,
+        balance_microbatches: int | None = None,
         **balancer_kw: Any,
     ) -> None:
         super().__init__()
-        if (optimizer is None) != (loss_fn is None):
+        renamed = {k: _RENAMED[k] for k in balancer_kw if k in _RENAMED}
+        if renamed:
             raise BridgeError(
-                "the full mode takes both optimizer= (a torch optimizer) and loss_fn=(output, targets) -> loss; the "
-                "drop-in mode takes neither"
+                f"OptimizedDDP's options {sorted(renamed)} are named {sorted(renamed.values())} now "
+                "(criterion=: the torch loss; balance_microbatches=: the pieces balance=True cuts each batch into; "
+                f"microbatch=: gradient-accumulation steps); found {sorted(renamed)}; rename them"
             )
-        if not balance and (microbatches is not None or balancer_kw):
-            given = sorted({*balancer_kw, *(["microbatches"] if microbatches is not None else [])})
+        if (optimizer is None) != (criterion is None):
             raise BridgeError(
-                f"{given} configure the load-balanced step: expected OptimizedDDP(module, optimizer=..., loss_fn=..., "
-                f"balance=True, {given[0]}=...), found balance=False; pass balance=True, or drop {given}"
+                "the full mode takes both optimizer= (a torch optimizer) and criterion=(output, targets) -> loss; "
+                "the drop-in mode takes neither"
+            )
+        if not balance and (balance_microbatches is not None or balancer_kw):
+            given = sorted({*balancer_kw, *(["balance_microbatches"] if balance_microbatches is not None else [])})
+            raise BridgeError(
+                f"{given} configure the load-balanced step: expected OptimizedDDP(module, optimizer=..., "
+                f"criterion=..., balance=True, {given[0]}=...), found balance=False; pass balance=True, or drop "
+                f"{given} (gradient accumulation without balance is microbatch=)"
             )
         full_only = {
             "plan": plan,
@@ -140,8 +153,8 @@ class OptimizedDDP(torch.nn.Module):
         given = sorted(k for k, v in full_only.items() if v is not None)
         if optimizer is None and given:
             raise BridgeError(
-                f"{given} belong to the full mode: expected OptimizedDDP(module, optimizer=..., loss_fn=..., "
-                f"{given[0]}=...), found no optimizer; pass optimizer= and loss_fn=, or drop {given}"
+                f"{given} belong to the full mode: expected OptimizedDDP(module, optimizer=..., criterion=..., "
+                f"{given[0]}=...), found no optimizer; pass optimizer= and criterion=, or drop {given}"
             )
         if every_steps is not None and checkpoint_dir is None:
             raise BridgeError("every_steps= says how often to save into checkpoint_dir=; pass checkpoint_dir= too")
@@ -157,7 +170,7 @@ class OptimizedDDP(torch.nn.Module):
         self._dropin = DropIn(self._low, self.mesh, data_axis)
         if balance:
             plan = "dp" if plan is None else plan
-            self._check_balance(plan, microbatch, memory_budget, microbatches, balancer_kw)
+            self._check_balance(plan, microbatch, memory_budget, balance_microbatches, balancer_kw)
         plan = "auto" if plan is None else plan
         self._full: dict[str, Any] | None = None
         self.checkpoints: CheckpointManager | None = None
@@ -169,12 +182,12 @@ class OptimizedDDP(torch.nn.Module):
                 "optimizer": torch_opt,
                 "hyper": None,  # the hyperparameters the train state holds (a scheduler changes param_groups')
                 "tx": torch_opt.tx,
-                "loss": lower_function(loss_fn),
+                "criterion": lower_function(criterion),
                 "plan": plan,
                 "seed": seed,
                 "microbatch": microbatch,
                 "memory_budget": memory_budget,
-                "balance": {"microbatches": microbatches, **balancer_kw} if balance else None,
+                "balance": {"microbatches": balance_microbatches, **balancer_kw} if balance else None,
                 "state": None,
                 "steps": {},  # the SpmdStep (or BalancedStep) of each mode (training: True / False)
                 "count": 0,  # steps trained (counting those a restored checkpoint had)
@@ -204,7 +217,7 @@ class OptimizedDDP(torch.nn.Module):
         return out
 
     def train_step(self, inputs: torch.Tensor | tuple[torch.Tensor, ...], targets: torch.Tensor) -> torch.Tensor:
-        """The full mode's step: forward, ``loss_fn``, gradient and the optimizer's optax update, one jitted program
+        """The full mode's step: forward, ``criterion``, gradient and the optimizer's optax update, one jitted program
         sharded by the plan (``"auto"``, the default: the planner's ZeRO stage; ``"fsdp"``: ZeRO-3 over the data
         axis; ``"dp"``, ``"zero1"``, ``"zero2"``), in the module's mode (``train()`` / ``eval()``); with
         ``balance=True`` a load-balanced step
@@ -214,7 +227,7 @@ class OptimizedDDP(torch.nn.Module):
         full = self._full
         if full is None:
             raise BridgeError(
-                "train_step is the full mode: OptimizedDDP(module, optimizer=torch_optimizer, loss_fn=loss); in the "
+                "train_step is the full mode: OptimizedDDP(module, optimizer=torch_optimizer, criterion=loss); in the "
                 "drop-in mode call model(x), loss.backward() and optimizer.step() as with DDP"
             )
         xs = inputs if isinstance(inputs, tuple) else (inputs,)
@@ -232,7 +245,7 @@ class OptimizedDDP(torch.nn.Module):
             batch = jax.tree.map(lambda t: put_value(self._global_host(t), whole), (xs, targets))
             key = ("uneven", self.module.training)
             if key not in full["steps"]:
-                full["steps"][key] = uneven_train_step(self._dropin, full["loss"], full["state"])
+                full["steps"][key] = uneven_train_step(self._dropin, full["criterion"], full["state"])
             step = full["steps"][key]
         else:
             batch = (tuple(self._split(t) for t in xs), self._split(targets))
@@ -278,20 +291,19 @@ class OptimizedDDP(torch.nn.Module):
         return step.balancer if isinstance(step, BalancedStep) else None
 
     def _check_balance(
-        self, plan: Strategy, microbatch: Any, memory_budget: Any, microbatches: Any, balancer_kw: dict[str, Any]
+        self, plan: PlanChoice, microbatch: Any, memory_budget: Any, pieces: Any, balancer_kw: dict[str, Any]
     ) -> None:
         """Refuse what a balanced full-mode step cannot do, before anything is traced."""
         if microbatch is not None or memory_budget is not None:
             raise BridgeError(
-                "balance=True cuts each batch into microbatches= pieces that the balancer spreads over the devices; "
-                f"expected no microbatch=/memory_budget=, found microbatch={microbatch!r}, "
-                f"memory_budget={memory_budget!r}; drop them and size the pieces with microbatches="
+                "balance=True cuts each batch into balance_microbatches= pieces that the balancer spreads over the "
+                "devices; microbatch= (gradient-accumulation steps) and memory_budget= size the unbalanced step's "
+                f"accumulation instead; expected neither, found microbatch={microbatch!r}, "
+                f"memory_budget={memory_budget!r}; drop them and size the pieces with balance_microbatches="
             )
-        if microbatches is not None and (
-            isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1
-        ):
-            raise BridgeError(f"expected microbatches= an int >= 1 (pieces per batch), found {microbatches!r}")
-        accepted = set(inspect.signature(Balancer).parameters) - {"loss_fn", "mesh", "total", "axis"}
+        if pieces is not None and (isinstance(pieces, bool) or not isinstance(pieces, int) or pieces < 1):
+            raise BridgeError(f"expected balance_microbatches= an int >= 1 (pieces per batch), found {pieces!r}")
+        accepted = set(inspect.signature(Balancer).parameters) - {"loss_sum_fn", "mesh", "total", "axis"}
         unknown = sorted(set(balancer_kw) - accepted)
         if unknown:
             raise BridgeError(
@@ -312,25 +324,25 @@ class OptimizedDDP(torch.nn.Module):
             )
 
     def _balanced_loss(self) -> Any:
-        """``loss_fn(params, (inputs, targets), rng) -> (mean * rows, rows)``: the torch loss (a mean over rows)
+        """``loss_sum_fn(params, (inputs, targets), rng) -> (mean * rows, rows)``: the criterion (a mean over rows)
         as the sum and count `openhosti_jax.balanced_step` averages exactly over the devices."""
         full = self._full
         assert full is not None
-        low, loss = self._low, full["loss"]
+        low, criterion = self._low, full["criterion"]
 
-        def loss_fn(params: Any, mb: Any, rng: jax.Array) -> tuple[jax.Array, jax.Array]:
+        def loss_sum_fn(params: Any, mb: Any, rng: jax.Array) -> tuple[jax.Array, jax.Array]:
             inputs, targets = mb
             out, _ = low.apply(params, {}, *inputs, key=rng)
-            value = jnp.asarray(loss(out, targets))
+            value = jnp.asarray(criterion(out, targets))
             if value.ndim:
                 raise BridgeError(
-                    f"balance=True takes loss_fn's value as a mean over the rows; expected a scalar, found shape "
+                    f"balance=True takes criterion's value as a mean over the rows; expected a scalar, found shape "
                     f"{value.shape}; use the loss's default reduction='mean'"
                 )
             rows = targets.shape[0]
             return value * jnp.asarray(rows, value.dtype), jnp.float32(rows)
 
-        return loss_fn
+        return loss_sum_fn
 
     def _build_full(self, full: dict[str, Any]) -> None:
         low = self._low
@@ -360,12 +372,12 @@ class OptimizedDDP(torch.nn.Module):
         if full["balance"] is not None:
             kw = dict(full["balance"])
             n = kw.pop("microbatches") or 4 * self.mesh.shape[self.data_axis]
-            loss_fn = self._balanced_loss()  # traced in the module's current mode, as the key says
+            loss_sum_fn = self._balanced_loss()  # traced in the module's current mode, as the key says
             full["steps"][training] = BalancedStep(
-                loss_fn, self.mesh, full["plan"], microbatches=n, axis=self.data_axis, **kw
+                loss_sum_fn, self.mesh, full["plan"], microbatches=n, axis=self.data_axis, **kw
             )
             return full["steps"][training]
-        loss = full["loss"]
+        criterion = full["criterion"]
         holder: list[SpmdStep] = []
 
         def step(state: Any, batch: Any) -> Any:
@@ -374,7 +386,7 @@ class OptimizedDDP(torch.nn.Module):
 
             def objective(p: Any, b: Any, mb: Any, key: Any) -> Any:
                 out, new = state.apply_fn(p, *mb[0], model_state=b, mutable=True, key=key)
-                return loss(out, mb[1]), new
+                return criterion(out, mb[1]), new
 
             grad_fn = jax.value_and_grad(objective, has_aux=True)
             if k == 1:
@@ -471,7 +483,7 @@ class OptimizedDDP(torch.nn.Module):
         if self.checkpoints is None or full is None:
             raise BridgeError(
                 "restore_checkpoint needs the full mode with checkpoint_dir=: expected OptimizedDDP(module, "
-                "optimizer=..., loss_fn=..., checkpoint_dir=...), found none"
+                "optimizer=..., criterion=..., checkpoint_dir=...), found none"
             )
         if full["state"] is None:
             self._build_full(full)

@@ -268,9 +268,9 @@ class DropIn:
         return put_value(value, x.sharding)
 
 
-def uneven_train_step(dropin: DropIn, loss: Any, state: Any) -> Any:
+def uneven_train_step(dropin: DropIn, criterion: Any, state: Any) -> Any:
     """The full mode's step for a batch that does not divide the data axis (a DataLoader's short last batch): the
-    batch placed whole and split unevenly inside, forward, ``loss``, gradient and update in one program that keeps
+    batch placed whole and split unevenly inside, forward, ``criterion``, gradient and update in one program that keeps
     ``state``'s shardings. ``step(state, (inputs, targets)) -> (state, {"loss": ...})``."""
 
     def step(state: Any, batch: Any) -> Any:
@@ -279,7 +279,7 @@ def uneven_train_step(dropin: DropIn, loss: Any, state: Any) -> Any:
 
         def objective(p: Any, b: Any) -> Any:
             out, new = state.apply_fn(p, *inputs, model_state=b, mutable=True, key=key)
-            return loss(out, targets), new
+            return criterion(out, targets), new
 
         (value, buffers), grads = jax.value_and_grad(objective, has_aux=True)(state.params, state.model_state)
         return state.apply_gradients(grads=grads).replace(model_state=buffers), {"loss": value}

@@ -1,6 +1,6 @@
 """Gradient accumulation over microbatches with `lax.scan`, normalised by the number of real samples.
 
-The loss contract is *sum, count*: ``loss_fn(params, microbatch, rng) -> (loss_sum, num_real)`` (or
+The loss contract is *sum, count*: ``loss_sum_fn(params, microbatch, rng) -> (loss_sum, num_real)`` (or
 ``(loss_sum, (num_real, aux))`` with ``has_aux=True``), where ``loss_sum`` adds the loss of the real samples
 (or tokens) only and ``num_real`` counts them. Summing both over microbatches and dividing once at the end
 gives exactly the full-batch mean loss and gradient, whatever the padding or masking.
@@ -12,11 +12,11 @@ with shape ``[batch]``). The loss must read that mask, e.g. ``jnp.sum(per_sample
 Example:
     >>> import jax, jax.numpy as jnp
     >>> from openhosti_jax.microbatch import accumulate_gradients
-    >>> def loss_fn(p, mb, rng):
+    >>> def loss_sum_fn(p, mb, rng):
     ...     err = (mb["x"] * p["w"] - mb["y"]) ** 2
     ...     return jnp.sum(err * mb["mask"]), jnp.sum(mb["mask"])
     >>> batch = {"x": jnp.arange(6.0), "y": jnp.zeros(6), "mask": jnp.ones(6, bool)}
-    >>> loss, grads, metrics = accumulate_gradients(loss_fn, {"w": jnp.float32(1.0)}, batch, 4)
+    >>> loss, grads, metrics = accumulate_gradients(loss_sum_fn, {"w": jnp.float32(1.0)}, batch, 4)
     >>> round(float(loss), 4), round(float(grads["w"]), 4), int(metrics["num_real"])
     (9.1667, 18.3333, 6)
 """
@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
 from openhosti_jax.errors import BatchError, ShardingError
-from openhosti_jax.state.contracts import LossFn
+from openhosti_jax.state.contracts import SummedLossFn
 
 
 def batch_size_of(batch: Any) -> int:
@@ -129,7 +129,7 @@ def _check_sharding(name: str, value: Any) -> None:
 
 
 def accumulate_gradients(
-    loss_fn: LossFn,
+    loss_sum_fn: SummedLossFn,
     params: Any,
     batch: Any,
     num_microbatches: int,
@@ -144,12 +144,12 @@ def accumulate_gradients(
     """Mean loss and gradient over all real samples of ``batch``, computed ``num_microbatches`` at a time.
 
     Args:
-      loss_fn: ``(params, microbatch, rng) -> (loss_sum, num_real)`` (see the module docstring).
+      loss_sum_fn: ``(params, microbatch, rng) -> (loss_sum, num_real)`` (see the module docstring).
       params: the pytree to differentiate.
       batch: pytree of ``[batch, ...]`` arrays (global view; sharded on axis 0 under jit).
       num_microbatches: how many sequential microbatches (``lax.scan`` steps).
       rng: a key; microbatch ``i`` gets ``fold_in(rng, i)``; ``None`` passes ``None``.
-      has_aux: ``loss_fn`` returns ``(loss_sum, (num_real, aux))``; aux leaves are summed over microbatches.
+      has_aux: ``loss_sum_fn`` returns ``(loss_sum, (num_real, aux))``; aux leaves are summed over microbatches.
       accum_sharding: sharding (or pytree of shardings matching ``params``) of the fp32 accumulator, e.g. the
         ZeRO gradient shardings, independent of how the compute is laid out.
       microbatch_sharding: sharding of one microbatch's rows, e.g. ``NamedSharding(mesh, P(("data",)))``.
@@ -169,7 +169,7 @@ def accumulate_gradients(
     stacked = split_microbatches(batch, num_microbatches, microbatch_sharding=microbatch_sharding, mask_key=mask_key)
 
     def summed(p: Any, mb: Any, key: jax.Array | None) -> tuple[jax.Array, tuple[jax.Array, Any]]:
-        out = loss_fn(p, mb, key)
+        out = loss_sum_fn(p, mb, key)
         loss_sum, rest = out
         num_real, aux = rest if has_aux else (rest, None)
         return loss_sum.astype(accum_dtype), (jnp.asarray(num_real, accum_dtype), aux)

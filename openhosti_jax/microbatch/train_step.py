@@ -4,11 +4,11 @@ Example:
     >>> import jax, jax.numpy as jnp, optax
     >>> from openhosti_jax.state import TrainState
     >>> from openhosti_jax.microbatch import make_train_step
-    >>> def loss_fn(p, mb, rng):
+    >>> def loss_sum_fn(p, mb, rng):
     ...     return jnp.sum((mb["x"] * p["w"] - mb["y"]) ** 2), mb["x"].shape[0]
     >>> state = TrainState.create(apply_fn=None, params={"w": jnp.float32(0.0)}, tx=optax.sgd(0.1),
     ...                           rng=jax.random.key(0))
-    >>> step = jax.jit(make_train_step(loss_fn, num_microbatches=2))
+    >>> step = jax.jit(make_train_step(loss_sum_fn, num_microbatches=2))
     >>> state, metrics = step(state, {"x": jnp.ones(4), "y": jnp.ones(4)})
     >>> int(state.step), round(float(state.params["w"]), 3)
     (1, 0.2)
@@ -24,11 +24,11 @@ from jax.sharding import NamedSharding
 from openhosti_jax.microbatch.accumulate import accumulate_gradients
 from openhosti_jax.policies.optimizers import find_loss_scale
 from openhosti_jax.state.context import current_microbatches, mark_loss_scaled
-from openhosti_jax.state.contracts import LossFn, StepFn
+from openhosti_jax.state.contracts import StepFn, SummedLossFn
 
 
 def make_train_step(
-    loss_fn: LossFn,
+    loss_sum_fn: SummedLossFn,
     num_microbatches: int | None = None,
     *,
     has_aux: bool = False,
@@ -41,7 +41,7 @@ def make_train_step(
     ``num_microbatches=None`` takes the count chosen by the enclosing ``@spmd(microbatch=...)`` step (1 outside).
 
     ``state`` is an `openhosti_jax.state.TrainState` (or any flax TrainState; one without an ``rng`` field
-    passes ``rng=None`` to ``loss_fn``). The step is not jitted: wrap it in ``jax.jit`` (donating the state)
+    passes ``rng=None`` to ``loss_sum_fn``). The step is not jitted: wrap it in ``jax.jit`` (donating the state)
     or ``@spmd``.
     Metrics: ``loss`` (mean over real samples), ``num_real``, ``grad_norm`` and ``aux`` with ``has_aux``.
 
@@ -57,12 +57,12 @@ def make_train_step(
             state, rng = state.next_rng()
         scaling = find_loss_scale(getattr(state, "opt_state", None))
         scale = None if scaling is None else scaling.scale
-        objective = loss_fn
+        objective = loss_sum_fn
         if scale is not None:
             mark_loss_scaled()
 
             def objective(p: Any, mb: Any, r: Any) -> Any:
-                loss_sum, rest = loss_fn(p, mb, r)
+                loss_sum, rest = loss_sum_fn(p, mb, r)
                 return loss_sum * scale, rest
 
         _, grads, metrics = accumulate_gradients(

@@ -43,9 +43,8 @@ from openhosti_jax.pipeline.costs import Layer
 from openhosti_jax.pipeline.partitioner import StagePartition
 from openhosti_jax.pipeline.schedule import Schedule
 from openhosti_jax.pipeline.ticks import BACKWARD, FORWARD, tick_table
+from openhosti_jax.state.contracts import MeanLossFn
 
-OutputLoss = Callable[[Any, Any], jax.Array]
-"""``loss_fn(outputs, targets) -> mean loss`` on the last stage's outputs."""
 Batch = tuple[Any, Any]
 
 
@@ -121,7 +120,7 @@ class Packing:
 
 def pipelined_loss_and_grads(
     layers: Sequence[Layer],
-    loss_fn: OutputLoss,
+    mean_loss_fn: MeanLossFn,
     mesh: Mesh,
     partition: StagePartition,
     schedule: Schedule,
@@ -170,7 +169,7 @@ def pipelined_loss_and_grads(
             for layer, lp in zip(chunk_layers[c], p, strict=True):
                 h = layer(lp, h)
             if c == n_chunks - 1:
-                return jnp.zeros(a_max, a_dtype), loss_fn(h, y).astype(jnp.float32)
+                return jnp.zeros(a_max, a_dtype), mean_loss_fn(h, y).astype(jnp.float32)
             flat = ravel_pytree(h)[0].astype(a_dtype)
             return jnp.pad(flat, (0, a_max - flat.size)), jnp.zeros((), jnp.float32)
 
@@ -242,15 +241,15 @@ def pipelined_loss_and_grads(
 
 def make_pipeline_step(
     layers: Sequence[Layer],
-    loss_fn: OutputLoss,
+    mean_loss_fn: MeanLossFn,
     mesh: Mesh,
     partition: StagePartition,
     schedule: Schedule,
 ) -> Callable[[Sequence[Any], Batch], tuple[jax.Array, list[Any]]]:
     """A jitted ``step(params, (inputs, targets)) -> (loss, grads)`` running ``schedule`` over ``mesh``.
 
-    ``params[i]`` is layer ``i``'s pytree; ``loss_fn(outputs, targets)`` is a mean over examples; the loss and
-    the gradients equal those of ``loss_fn(model(inputs), targets)`` on the whole batch. The parameters enter
+    ``params[i]`` is layer ``i``'s pytree; ``mean_loss_fn(outputs, targets)`` is a mean over examples; the loss and
+    the gradients equal those of ``mean_loss_fn(model(inputs), targets)`` on the whole batch. The parameters enter
     whole and are packed per step: `openhosti_jax.pipeline.state` keeps them packed and stage-local instead.
     """
     _check(layers, mesh, partition, schedule)
@@ -260,7 +259,7 @@ def make_pipeline_step(
         params = list(params)
         packing = Packing(params, partition, schedule)
         shapes = [jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), p) for p in params]
-        run = pipelined_loss_and_grads(layers, loss_fn, mesh, partition, schedule, packing, shapes)
+        run = pipelined_loss_and_grads(layers, mean_loss_fn, mesh, partition, schedule, packing, shapes)
         loss, g_packed = run(packing.pack(params), batch)
         return loss, packing.unpack(g_packed)
 
@@ -271,13 +270,13 @@ def pipeline_value_and_grad(
     layers: Sequence[Layer],
     params: Sequence[Any],
     batch: Batch,
-    loss_fn: OutputLoss,
+    mean_loss_fn: MeanLossFn,
     mesh: Mesh,
     partition: StagePartition,
     schedule: Schedule,
 ) -> tuple[jax.Array, list[Any]]:
-    """Loss and per-layer gradients of ``loss_fn(model(inputs), targets)``, computed by the pipeline.
+    """Loss and per-layer gradients of ``mean_loss_fn(model(inputs), targets)``, computed by the pipeline.
 
     One-shot form of `make_pipeline_step` (which keep the compiled step for reuse).
     """
-    return make_pipeline_step(layers, loss_fn, mesh, partition, schedule)(params, batch)
+    return make_pipeline_step(layers, mean_loss_fn, mesh, partition, schedule)(params, batch)

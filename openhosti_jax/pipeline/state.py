@@ -41,9 +41,10 @@ from jax.sharding import PartitionSpec as P
 from openhosti_jax.errors import PipelineError
 from openhosti_jax.mesh import mesh_sizes
 from openhosti_jax.pipeline.costs import Layer
-from openhosti_jax.pipeline.executor import Batch, OutputLoss, Packing, pipelined_loss_and_grads
+from openhosti_jax.pipeline.executor import Batch, Packing, pipelined_loss_and_grads
 from openhosti_jax.pipeline.partitioner import StagePartition
 from openhosti_jax.pipeline.schedule import Schedule
+from openhosti_jax.state.contracts import MeanLossFn
 from openhosti_jax.state.guard import all_finite
 
 
@@ -125,7 +126,7 @@ def init_pipeline_state(
 
 def make_pipeline_train_step(
     layers: Sequence[Layer],
-    loss_fn: OutputLoss,
+    mean_loss_fn: MeanLossFn,
     mesh: Mesh,
     partition: StagePartition,
     schedule: Schedule,
@@ -138,7 +139,7 @@ def make_pipeline_train_step(
     packed gradient, then ``state.tx`` on the packed parameters, everything kept stage-local (``state`` gives the
     layout and shardings). With ``guard`` a step whose loss or gradient is not finite leaves the state as it was
     (`openhosti_jax.state.guard`; the metrics add ``skipped_nonfinite``)."""
-    run = pipelined_loss_and_grads(layers, loss_fn, mesh, partition, schedule, state.packing, state.layer_shapes)
+    run = pipelined_loss_and_grads(layers, mean_loss_fn, mesh, partition, schedule, state.packing, state.layer_shapes)
     shardings = state_shardings(state, mesh)
     grad_sharding = NamedSharding(mesh, P(None, "stage", None))
 

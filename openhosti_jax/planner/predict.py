@@ -151,6 +151,11 @@ def predict(
     nothing is allocated) with ``optimizer`` on a global batch shaped like ``sample_batch`` over ``where`` (a
     `Cluster` or a name, e.g. ``"64xH100"``, ``"v5p-128"``).
 
+    Use it instead of `openhosti_jax.choose_plan` (which returns the plan to train with on the attached devices, or
+    with ``cluster=`` the plan for one that is not) when the question is what the run would cost: step time,
+    tokens/s, MFU and memory per device, for the planner's choice or a configuration fixed by hand. It is what
+    ``openhosti predict`` prints.
+
     With ``mesh`` (``{"fsdp": 8}`` or ``"fsdp=8"``) the configuration is fixed (``zero`` default 3 where a batch
     axis shards state else 0, ``remat`` default "none", ``precision`` default "bf16", ``microbatches``);
     without it, the planner chooses among every mesh (pipelines included unless ``pipeline=False``), ZeRO stage,

@@ -12,9 +12,8 @@ Example:
     >>> import tempfile
     >>> from openhosti_jax.planner.profiles import PROFILES
     >>> with tempfile.TemporaryDirectory() as d:
-    ...     store(PROFILES["A100"], "k1", d)
-    ...     load("k1", d) == PROFILES["A100"], load("k2", d)
-    (True, None)
+    ...     store(PROFILES["A100"], "k1", d).name, load("k1", d) == PROFILES["A100"], load("k2", d)
+    ('k1.json', True, None)
 """
 
 from __future__ import annotations

@@ -538,6 +538,10 @@ def plan_on_mesh(
     the remat policy (``"auto"``: any the devices run, used when the plan would not fit otherwise), the precision
     (``"fp32"`` unless the user allows others: they change results) and the microbatch count the step can take.
 
+    Use it instead of `openhosti_jax.choose_plan` (the planner's first entry point, which also chooses the mesh)
+    when the mesh is already built and its axis sizes are not to change; ``create_train_state(..., plan="auto")``
+    and ``@spmd`` call it on their mesh.
+
     Activations and FLOPs come from ``apply_fn`` on ``sample_batch``, or, with no apply function, from the user's
     ``step_fn`` traced on its abstract ``state`` (whose parameters and optimizer state ``layout`` locates); with
     neither, the choice rests on state memory and gradient traffic. With ``step_fn`` and ``sample_batch`` the

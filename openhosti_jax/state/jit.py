@@ -85,7 +85,7 @@ def jit_step(
             raise StateError(
                 f"the plan's precision {plan.precision!r} scales the loss dynamically, but the step never multiplied "
                 "its loss by the scale, so its gradients would be divided by it; build the step with "
-                "openhosti_jax.make_train_step(loss_fn), or multiply the loss by "
+                "openhosti_jax.make_train_step(loss_sum_fn), or multiply the loss by "
                 "openhosti_jax.policies.optimizers.scale_loss(loss, state.opt_state) and call "
                 "openhosti_jax.state.context.mark_loss_scaled()"
             )
@@ -99,7 +99,7 @@ def jit_step(
         if k > 1 and not count.read:
             raise StateError(
                 f"the step runs {k} microbatches but never asks for them, so it would train on the whole batch at "
-                "once while the plan says otherwise; build it with openhosti_jax.make_train_step(loss_fn), or read "
+                "once while the plan says otherwise; build it with openhosti_jax.make_train_step(loss_sum_fn), or read "
                 "openhosti_jax.state.context.current_microbatches() in it, or drop microbatch="
             )
         check_step_output(s, out, metrics=not free_outputs)

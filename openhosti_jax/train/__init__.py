@@ -2,7 +2,7 @@
 loop."""
 
 from openhosti_jax.train.balanced import BalancedStep, balanced_step
-from openhosti_jax.train.create import Strategy, create_train_state, resolve_plan
+from openhosti_jax.train.create import CreatedState, PlanChoice, create_train_state
 from openhosti_jax.train.metrics import MetricsLog, read_metrics
 from openhosti_jax.train.pipelined import from_model_state, pipeline_step, to_model_state
 from openhosti_jax.train.profiling import ProfileWindow
@@ -14,14 +14,15 @@ from openhosti_jax.train.writers import JsonlWriter, MetricWriter, TensorBoardWr
 
 __all__ = [
     "BalancedStep",
+    "CreatedState",
     "FitResult",
     "JsonlWriter",
     "LossSpikePolicy",
     "MetricWriter",
     "MetricsLog",
+    "PlanChoice",
     "ProfileWindow",
     "SpmdStep",
-    "Strategy",
     "TensorBoardWriter",
     "Trainer",
     "TrainerCheckpoint",
@@ -31,7 +32,6 @@ __all__ = [
     "pipeline_step",
     "from_model_state",
     "read_metrics",
-    "resolve_plan",
     "spmd",
     "to_model_state",
 ]

@@ -1,16 +1,17 @@
 """`balanced_step`: a train step whose microbatches are spread over the data-parallel devices by measured speed.
 
-It is built from a ``loss_fn(params, microbatch, rng) -> (loss_sum, num_real)`` (`openhosti_jax.state.LossFn`): each
-global batch is cut into ``microbatches`` pieces, a `openhosti_jax.balance.Balancer` gives a slow device fewer of them,
-and the gradient stays the exact mean over all real samples.
+It is built from a ``loss_sum_fn(params, microbatch, rng) -> (loss_sum, num_real)``
+(`openhosti_jax.state.SummedLossFn`): each global batch is cut into ``microbatches`` pieces, a
+`openhosti_jax.balance.Balancer` gives a slow device fewer of them, and the gradient stays the exact mean over all
+real samples.
 
 Example:
     >>> import jax, jax.numpy as jnp, numpy as np, optax
     >>> import openhosti_jax as oh
     >>> mesh = oh.build_mesh(oh.MeshConfig(data=4), devices=jax.devices()[:4])
     >>> state, plan = oh.create_train_state(lambda r: {"w": jnp.ones(2)}, optax.sgd(0.1), mesh, plan="dp")
-    >>> loss_fn = lambda p, mb, rng: (jnp.sum((mb["x"] @ p["w"]) ** 2), jnp.float32(mb["x"].shape[0]))
-    >>> step = oh.balanced_step(loss_fn, mesh=mesh, plan=plan, microbatches=8)
+    >>> loss_sum_fn = lambda p, mb, rng: (jnp.sum((mb["x"] @ p["w"]) ** 2), jnp.float32(mb["x"].shape[0]))
+    >>> step = oh.balanced_step(loss_sum_fn, mesh=mesh, plan=plan, microbatches=8)
     >>> state, m = step(state, {"x": np.ones((16, 2), np.float32)})
     >>> float(m["loss"]), int(state.step)
     (4.0, 1)
@@ -29,7 +30,7 @@ from jax.sharding import Mesh
 from openhosti_jax.balance import Balancer
 from openhosti_jax.errors import BatchError, ShardingError, StateError
 from openhosti_jax.sharding.plan import ShardingPlan
-from openhosti_jax.state.contracts import LossFn
+from openhosti_jax.state.contracts import SummedLossFn
 from openhosti_jax.state.guard import all_finite
 from openhosti_jax.state.train_state import TrainState
 
@@ -39,7 +40,7 @@ class BalancedStep:
 
     def __init__(
         self,
-        loss_fn: LossFn,
+        loss_sum_fn: SummedLossFn,
         mesh: Mesh,
         plan: ShardingPlan,
         *,
@@ -53,7 +54,7 @@ class BalancedStep:
                 "sharding them on fsdp; use plan='dp', 'zero1' or 'zero2'"
             )
         self.mesh, self.plan, self.microbatches = mesh, plan, microbatches
-        self.balancer = Balancer(loss_fn, mesh, total=microbatches, axis=axis, **balancer_kw)
+        self.balancer = Balancer(loss_sum_fn, mesh, total=microbatches, axis=axis, **balancer_kw)
         sh = plan.shardings(mesh, plan.param_specs)
         self._next_rng = jax.jit(lambda s: s.next_rng())
 
@@ -97,9 +98,9 @@ class BalancedStep:
 
 
 def balanced_step(
-    loss_fn: LossFn, *, mesh: Mesh, plan: ShardingPlan, microbatches: int | None = None, **balancer_kw: Any
+    loss_sum_fn: SummedLossFn, *, mesh: Mesh, plan: ShardingPlan, microbatches: int | None = None, **balancer_kw: Any
 ) -> BalancedStep:
-    """A `BalancedStep` for ``loss_fn`` on ``mesh`` by ``plan`` (ZeRO 0-2: parameters replicated over ``data``).
+    """A `BalancedStep` for ``loss_sum_fn`` on ``mesh`` by ``plan`` (ZeRO 0-2: parameters replicated over ``data``).
 
     Every global batch is cut into ``microbatches`` pieces (default 4 per data-parallel device) that a
     `openhosti_jax.balance.Balancer` spreads over the devices by measured speed; ``balancer_kw`` go to it.
@@ -109,4 +110,6 @@ def balanced_step(
             f"balanced_step needs mesh= a jax Mesh and plan= a ShardingPlan, found {type(mesh).__name__} and "
             f"{type(plan).__name__}; create both with create_train_state"
         )
-    return BalancedStep(loss_fn, mesh, plan, microbatches=microbatches or 4 * plan.mesh_shape["data"], **balancer_kw)
+    return BalancedStep(
+        loss_sum_fn, mesh, plan, microbatches=microbatches or 4 * plan.mesh_shape["data"], **balancer_kw
+    )

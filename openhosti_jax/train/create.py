@@ -1,5 +1,6 @@
 """`create_train_state`: a sharded `TrainState` from a model and an optimizer, by a named strategy, a ZeRO stage,
-a `ShardingPlan` or ``"auto"`` (the planner chooses on the given mesh).
+a `ShardingPlan` or ``"auto"`` (the planner chooses on the given mesh); it returns a `CreatedState`, which unpacks as
+``(state, plan)`` and carries the planner's ``report``.
 
 Linen: ``init_fn(rng) -> params`` (with ``apply_fn=model.apply``-style). nnx: ``init_fn(rng) -> nnx.Module``; the
 module is split into its graph (kept in ``apply_fn``), its `nnx.Param` leaves (``params``) and the rest
@@ -10,10 +11,14 @@ Example:
     >>> from openhosti_jax import build_mesh, MeshConfig, create_train_state
     >>> model = nn.Dense(64)
     >>> mesh = build_mesh(MeshConfig(data=-1))
-    >>> state, plan = create_train_state(lambda r: model.init(r, jnp.ones((1, 64)))["params"],
-    ...                                  optax.adam(1e-3), mesh, apply_fn=model.apply)
-    >>> int(state.step), plan.zero_stage
-    (0, 3)
+    >>> created = create_train_state(lambda r: model.init(r, jnp.ones((1, 64)))["params"],
+    ...                              optax.adam(1e-3), mesh, apply_fn=model.apply)
+    >>> state, plan = created  # the pair; the planner's reasons are created.report
+    >>> int(state.step), plan is created.plan, created.report.plan is plan
+    (0, True, True)
+    >>> state, plan = create_train_state(lambda r: {"w": jnp.zeros((64, 64))}, optax.sgd(0.1), mesh, plan="fsdp")
+    >>> plan.zero_stage
+    3
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from jax.sharding import Mesh
 
 from openhosti_jax.errors import StateError
 from openhosti_jax.mesh.build import mesh_sizes
+from openhosti_jax.pipeline.state import PipelineState
 from openhosti_jax.planner.search import plan_on_mesh
 from openhosti_jax.policies.optimizers import optimizer_for
 from openhosti_jax.sharding.plan import ShardingPlan
@@ -35,19 +41,58 @@ from openhosti_jax.sharding.zero import Optimizer
 from openhosti_jax.state.contracts import ApplyFn
 from openhosti_jax.state.init import init_state
 from openhosti_jax.state.model import model_parts
+from openhosti_jax.state.train_state import TrainState
 from openhosti_jax.train.pipelined import create_pipeline_state
 
-Strategy = str | int | ShardingPlan
-"""``"fsdp"`` (ZeRO-3), ``"dp"`` (ZeRO-0), ``"zero1"``/``"zero2"``, an int ZeRO stage, ``"auto"``, or a plan."""
+PlanChoice = str | int | ShardingPlan
+"""What ``plan=`` takes: ``"fsdp"`` (ZeRO-3), ``"dp"`` (ZeRO-0), ``"zero1"``/``"zero2"``, an int ZeRO stage,
+``"auto"`` (the planner chooses), or a `ShardingPlan`."""
+
+
+class CreatedState(tuple[TrainState | PipelineState, ShardingPlan]):
+    """What `create_train_state` returns: a pair ``(state, plan)`` (so ``state, plan = create_train_state(...)``
+    unpacks it, as `os.stat_result` unpacks), with the parts named and the planner's reasons kept.
+
+    ``state``: the sharded `TrainState`, or a stage-local `openhosti_jax.pipeline.PipelineState` when the plan
+    pipelines. ``plan``: the `ShardingPlan` it was laid out by. ``report``: the `PlanReport` saying why that plan
+    (the planner's ranked candidates for ``"auto"``, the ZeRO stage a strategy name maps to); None where the caller
+    gave the `ShardingPlan` itself.
+    """
+
+    report: PlanReport | None
+
+    def __new__(cls, state: TrainState | PipelineState, plan: ShardingPlan, report: PlanReport | None = None):
+        created = super().__new__(cls, (state, plan))
+        created.report = report
+        return created
+
+    def __getnewargs__(self) -> tuple[Any, ...]:
+        return (self[0], self[1], self.report)
+
+    @property
+    def state(self) -> TrainState | PipelineState:
+        """The sharded state (first of the pair)."""
+        return self[0]
+
+    @property
+    def plan(self) -> ShardingPlan:
+        """The plan the state is laid out by (second of the pair)."""
+        return self[1]
+
+    def __repr__(self) -> str:
+        report = "PlanReport" if self.report is not None else "None"
+        return f"CreatedState(state={type(self[0]).__name__}, plan=ShardingPlan, report={report})"
+
 
 _NAMED = {"dp": 0, "ddp": 0, "zero0": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3}
 
 
 def resolve_plan(
-    strategy: Strategy, abstract_params: Any, tx: Optimizer, mesh: Mesh, **plan_kw: Any
+    strategy: PlanChoice, abstract_params: Any, tx: Optimizer, mesh: Mesh, **plan_kw: Any
 ) -> tuple[ShardingPlan, PlanReport]:
     """(plan, report) for a strategy name, a ZeRO stage or a plan on ``mesh``; ``"auto"`` runs the planner
-    (`openhosti_jax.planner.plan_on_mesh`, which takes ``plan_kw``)."""
+    (`openhosti_jax.planner.plan_on_mesh`, which takes ``plan_kw``). Internal: the library's doors (``@spmd``,
+    `create_train_state`, the demo job) share it; users call `openhosti_jax.choose_plan` or `create_train_state`."""
     if isinstance(strategy, ShardingPlan):
         strategy.check_mesh(mesh)
         return strategy, PlanReport(strategy, abstract_params)
@@ -69,20 +114,22 @@ def create_train_state(
     tx: optax.GradientTransformation,
     mesh: Mesh,
     *,
-    plan: Strategy = "auto",
+    plan: PlanChoice = "auto",
     apply_fn: ApplyFn | None = None,
     seed: int | jax.Array = 0,
     sample_batch: Any = None,
     **plan_kw: Any,
-) -> tuple[Any, ShardingPlan]:
-    """Initialise parameters and optimizer state directly into their shards; return (state, plan).
+) -> CreatedState:
+    """Initialise parameters and optimizer state directly into their shards; return a `CreatedState`, which
+    unpacks as ``state, plan = create_train_state(...)`` and names ``.state``, ``.plan`` and ``.report``.
 
     ``plan`` defaults to ``"auto"``: the planner chooses the ZeRO stage on ``mesh`` from the abstract parameters
     (and the forward on ``sample_batch``, with ``apply_fn``); a strategy name or a plan fixes it.
-    ``seed`` seeds both the init key and the state's ``rng`` (used for dropout etc.). The
-    planner's reasons are not returned: call `openhosti_jax.planner.plan_on_mesh` for the (plan, report).
-    A pipelined plan (``pipeline_stages`` > 1) gives a stage-local `openhosti_jax.pipeline.PipelineState`, cut
-    from the model's forward pass on ``sample_batch``; train it with `openhosti_jax.pipeline_step`.
+    ``seed`` seeds both the init key and the state's ``rng`` (used for dropout etc.). ``.report`` is the
+    planner's `PlanReport` (why this plan) where it planned or mapped a strategy name, None for a given
+    `ShardingPlan`. A pipelined plan (``pipeline_stages`` > 1) gives a stage-local
+    `openhosti_jax.pipeline.PipelineState`, cut from the model's forward pass on ``sample_batch``; train it with
+    `openhosti_jax.pipeline_step`.
     """
     if isinstance(plan, ShardingPlan) and plan.pipeline_stages > 1:
         if sample_batch is None:
@@ -91,9 +138,13 @@ def create_train_state(
                 "its blocks are called: pass sample_batch= (the inputs, or (inputs, targets)) to trace it"
             )
         key = jax.random.key(seed) if isinstance(seed, int) else seed
-        return create_pipeline_state(init_fn, tx, mesh, plan, sample_batch, key=key, apply_fn=apply_fn), plan
+        return CreatedState(
+            create_pipeline_state(init_fn, tx, mesh, plan, sample_batch, key=key, apply_fn=apply_fn), plan
+        )
     parts = model_parts(init_fn, apply_fn=apply_fn, mesh=mesh)
-    the_plan, _ = resolve_plan(plan, parts.params, tx, mesh, **plan_kw)
+    the_plan, report = resolve_plan(plan, parts.params, tx, mesh, **plan_kw)
     the_plan.validate(parts.params)
     key = jax.random.key(seed) if isinstance(seed, int) else seed
-    return init_state(parts, tx, mesh, the_plan, key), the_plan
+    return CreatedState(
+        init_state(parts, tx, mesh, the_plan, key), the_plan, None if isinstance(plan, ShardingPlan) else report
+    )

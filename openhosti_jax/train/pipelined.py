@@ -33,7 +33,7 @@ from jax.sharding import Mesh
 
 from openhosti_jax.errors import PipelineError
 from openhosti_jax.pipeline.costs import layer_costs
-from openhosti_jax.pipeline.executor import Batch, OutputLoss
+from openhosti_jax.pipeline.executor import Batch
 from openhosti_jax.pipeline.partitioner import StagePartition, evaluate_partition, partition
 from openhosti_jax.pipeline.schedule import make_schedule
 from openhosti_jax.pipeline.split import split_layers
@@ -42,6 +42,7 @@ from openhosti_jax.pipeline.state import unpack_state as unpack_pipeline_state
 from openhosti_jax.policies.precision import precision as resolve_precision
 from openhosti_jax.policies.remat import checkpoint
 from openhosti_jax.sharding.plan import ShardingPlan
+from openhosti_jax.state.contracts import MeanLossFn
 from openhosti_jax.state.model import model_parts
 
 
@@ -94,17 +95,17 @@ def create_pipeline_state(
 
 
 def pipeline_step(
-    loss_fn: OutputLoss, mesh: Mesh, state: PipelineState
+    mean_loss_fn: MeanLossFn, mesh: Mesh, state: PipelineState
 ) -> Callable[[PipelineState, Batch], tuple[PipelineState, dict[str, jax.Array]]]:
     """The jitted ``step(state, (inputs, targets)) -> (state, {"loss", "grad_norm"})`` of a state made by
-    `create_train_state` for a pipelined plan; ``loss_fn(outputs, targets)`` is a mean over examples."""
+    `create_train_state` for a pipelined plan; ``mean_loss_fn(outputs, targets)`` is a mean over examples."""
     if state.sequence is None:
         raise PipelineError(
             "this PipelineState carries no layer sequence; make it with create_train_state(..., plan=pipelined_plan, "
             "sample_batch=...) or call openhosti_jax.pipeline.make_pipeline_train_step with the layers"
         )
     layers = [checkpoint(f, state.remat) for f in state.sequence.layers]
-    return make_pipeline_train_step(layers, loss_fn, mesh, state.partition, state.schedule, state)
+    return make_pipeline_train_step(layers, mean_loss_fn, mesh, state.partition, state.schedule, state)
 
 
 def to_model_state(state: PipelineState) -> tuple[Any, Any]:

@@ -49,7 +49,7 @@ from openhosti_jax.state.jit import jit_eval, jit_step
 from openhosti_jax.state.layout import StateLayout, find_layout
 from openhosti_jax.state.model import abstract
 from openhosti_jax.state.train_state import TrainState
-from openhosti_jax.train.create import Strategy, resolve_plan
+from openhosti_jax.train.create import PlanChoice, resolve_plan
 from openhosti_jax.train.spmd_any import AnyCalls
 
 
@@ -71,7 +71,7 @@ class SpmdStep:
         self,
         fn: StepFn,
         mesh: Mesh | None,
-        plan: Strategy | None,
+        plan: PlanChoice | None,
         donate: bool,
         microbatch: int | str | None,
         memory_budget: int | None,
@@ -145,7 +145,7 @@ class SpmdStep:
             raise StateError(
                 f"the plan pipelines over {self.plan.pipeline_stages} stages, which @spmd does not run (it would "
                 "replicate the step on every stage); make the state with create_train_state(..., plan=plan, "
-                "sample_batch=...) and train it with openhosti_jax.pipeline_step(loss_fn, mesh, state)"
+                "sample_batch=...) and train it with openhosti_jax.pipeline_step(mean_loss_fn, mesh, state)"
             )
 
     def _resolve(self, state: Any, batch: Any = None) -> ShardingPlan:
@@ -293,7 +293,7 @@ def spmd(
     fn: StepFn | None = None,
     *,
     mesh: Mesh | None = None,
-    plan: Strategy | None = None,
+    plan: PlanChoice | None = None,
     donate: bool = True,
     microbatch: int | str | None = None,
     memory_budget: int | None = None,
