@@ -48,8 +48,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
-from openhosti_jax.models.gpt import GPT, GPTConfig  # noqa: E402
-from openhosti_jax.models.presets import ModelPreset, model_preset  # noqa: E402
+from openhosti_jax.models.presets import ModelPreset, gpt_shape, model_preset  # noqa: E402
 from openhosti_jax.planner.cluster import cluster  # noqa: E402
 from openhosti_jax.planner.predict import Prediction, predict  # noqa: E402
 from openhosti_jax.planner.stacks import STACKS  # noqa: E402
@@ -58,31 +57,6 @@ from openhosti_jax.planner.stacks import STACKS  # noqa: E402
 def megatron_flops_per_token(layers: int, hidden: int, seq: int, vocab: int, recompute: bool) -> float:
     """Narayanan et al. 2021, eq. (3) per token: ``72 (or 96 with recomputation) l h^2 (1 + s/(6h) + V/(16 l h))``."""
     return (96 if recompute else 72) * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
-
-
-def gpt(
-    name: str,
-    layers: int,
-    hidden: int,
-    heads: int,
-    seq: int = 2048,
-    vocab: int = 51200,
-    ffn: int | None = None,
-    head_dim: int | None = None,
-) -> ModelPreset:
-    """A GPT of Megatron's shapes (4h MLP unless ``ffn``, learned positions), scanned, query-blocked attention."""
-    cfg = GPTConfig(
-        vocab_size=vocab,
-        seq_len=seq,
-        d_model=hidden,
-        n_heads=heads,
-        n_layers=layers,
-        ffn=ffn,
-        head_dim=head_dim,
-        scan_layers=True,
-        attention_block=min(512, seq),
-    )
-    return ModelPreset(name, cfg, GPT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,25 +133,17 @@ def _titan(key: str, gpus: int, tps: float, mem: float, compiled: bool = False) 
 
 
 def _mcore(
-    key: str,
-    layers: int,
-    hidden: int,
-    heads: int,
-    tp: int,
-    pp: int,
-    dp: int,
-    batch: int,
-    tflops: float,
-    source: str = _MCORE,
+    key: str, model: ModelPreset, tp: int, pp: int, dp: int, batch: int, tflops: float, source: str = _MCORE
 ) -> Run:
-    # vocab 131,072, seq 4,096 (README's benchmark configuration); the distributed optimizer (the README overlaps
-    # its param gather): gradients reduce-scattered, parameters all-gathered, as ZeRO-2; microbatch 1 (not
-    # stated), selective recomputation (not stated), bf16; sequence parallel (--tp-comm-overlap, which the README
-    # uses, asserts --sequence-parallel in megatron/training/arguments.py @ core_r0.8.0)
-    per_token = megatron_core_flops_per_token(layers, hidden, 4096, 131072)
+    # ``model`` at the README's benchmark configuration: vocab 131,072, seq 4,096; the distributed optimizer (the
+    # README overlaps its param gather): gradients reduce-scattered, parameters all-gathered, as ZeRO-2;
+    # microbatch 1 (not stated), selective recomputation (not stated), bf16; sequence parallel (--tp-comm-overlap,
+    # which the README uses, asserts --sequence-parallel in megatron/training/arguments.py @ core_r0.8.0)
+    cfg = model.config
+    per_token = megatron_core_flops_per_token(cfg.n_layers, cfg.d_model, cfg.seq_len, cfg.vocab_size)
     return Run(
         key,
-        gpt(key, layers, hidden, heads, seq=4096, vocab=131072),
+        model,
         f"{tp * pp * dp}xH100",
         batch,
         f"stage={pp},data={dp},tensor={tp}",
@@ -215,7 +181,7 @@ def _megatron2021(
     per_token = megatron_flops_per_token(layers, hidden, 2048, 51200, recompute=True)
     return Run(
         key,
-        gpt(key, layers, hidden, heads, seq=2048, vocab=51200),
+        gpt_shape(layers=layers, d_model=hidden, heads=heads, vocab=51200, seq=2048),
         f"{gpus}xA100",
         batch,
         f"stage={pp},data={dp},tensor={tp}",
@@ -238,7 +204,7 @@ def _maxtext_v5p_32b() -> Run:
     # ici_fsdp -1 (16) x ici_tensor 4, remat minimal, bf16 compute over fp32 weights. MaxText tied the embedding
     # (logits_via_embedding); this family's head is untied: the same FLOPs, 0.34B (1%) more parameters. Its
     # logical_axis_rules put activation_embed on "tensor": the activations between blocks are split over it.
-    model = gpt("maxtext_v5p_32b", 32, 10240, 32, seq=2048, vocab=32768, ffn=32768, head_dim=256)
+    model = gpt_shape(layers=32, d_model=10240, heads=32, vocab=32768, seq=2048, ffn=32768, head_dim=256)
     cfg = model.config
     tied = cfg.num_params() - cfg.d_model * cfg.vocab_size - cfg.vocab_size
     per_token = maxtext_flops_per_token(tied, 32, 32, 256, 2048)
@@ -263,6 +229,9 @@ def _runs() -> list[Run]:
     llama2 = model_preset("llama2-7b", seq_len=4096)
     cfg = llama2.config
     a3 = maxtext_flops_per_token(cfg.num_params(), cfg.n_layers, cfg.n_heads, cfg.d_model // cfg.n_heads, 4096)
+    # Megatron-Core's README benchmarks at vocab 131,072 and seq 4,096; its 177B is GPT-3 175B's shape
+    mcore = lambda layers, hidden, heads: gpt_shape(layers=layers, d_model=hidden, heads=heads, vocab=131072, seq=4096)
+    gpt3 = model_preset("gpt3-175b", seq_len=4096, vocab_size=131072)
     return [
         _titan("torchtitan_llama3_8b_8xH100", 8, 5762, 82.4),
         _titan("torchtitan_llama3_8b_128xH100", 128, 5605, 67.0),
@@ -284,12 +253,12 @@ def _runs() -> list[Run]:
             stack="maxtext-gpu",
         ),
         _maxtext_v5p_32b(),
-        _mcore("megatron_core_7b_96xH100", 30, 4096, 32, 2, 1, 48, 192, 465.9),
-        _mcore("megatron_core_177b_2304xH100", 96, 12288, 96, 8, 6, 48, 1152, 432.8),
-        _mcore("megatron_core_462b_6144xH100", 112, 18432, 144, 8, 16, 48, 3072, 459.9),
+        _mcore("megatron_core_7b_96xH100", mcore(30, 4096, 32), 2, 1, 48, 192, 465.9),
+        _mcore("megatron_core_177b_2304xH100", gpt3, 8, 6, 48, 1152, 432.8),
+        _mcore("megatron_core_462b_6144xH100", mcore(112, 18432, 144), 8, 16, 48, 3072, 459.9),
         # strong scaling: the 177B row's TP 8 / PP 6, the rest data parallel (the README does not list them)
-        _mcore("megatron_core_177b_96xH100", 96, 12288, 96, 8, 6, 2, 1152, 0.47 * H100_PEAK / 1e12, _MCORE_STRONG),
-        _mcore("megatron_core_177b_4608xH100", 96, 12288, 96, 8, 6, 96, 1152, 0.42 * H100_PEAK / 1e12, _MCORE_STRONG),
+        _mcore("megatron_core_177b_96xH100", gpt3, 8, 6, 2, 1152, 0.47 * H100_PEAK / 1e12, _MCORE_STRONG),
+        _mcore("megatron_core_177b_4608xH100", gpt3, 8, 6, 96, 1152, 0.42 * H100_PEAK / 1e12, _MCORE_STRONG),
         _megatron2021("megatron_1_7b_32xA100", 24, 2304, 24, 1, 1, 16, 32, 512, 137, ddp="torch"),
         _megatron2021("megatron_18b_256xA100", 40, 6144, 48, 8, 1, 8, 256, 1024, 135, ddp="torch"),
         _megatron2021(

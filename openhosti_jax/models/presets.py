@@ -1,7 +1,7 @@
 """Published model shapes by name, built from the bundled families for planning at scale (abstractly: the planner
 never allocates their parameters): ``gpt3-175b``, ``bert-large``, ``llama2-7b``, ``llama2-70b``, ``llama3-8b``,
-``llama3-70b``, ``llama3-405b``, ``sdxl-unet`` (Stable Diffusion XL's 2.57B UNet), or a Llama-family shape from
-its dimensions.
+``llama3-70b``, ``llama3-405b``, ``sdxl-unet`` (Stable Diffusion XL's 2.57B UNet), or a GPT- or Llama-family
+shape from its dimensions (`gpt_shape`, `llama_shape`).
 
 Each language model is built with its blocks scanned (one layer's parameters gathered at a time under ZeRO-3), and
 every model with attention over blocks of queries (activations linear in the sequence, as flash attention's), as large
@@ -85,14 +85,18 @@ def model_preset(name: str, **overrides: Any) -> ModelPreset:
     family, make = _PRESETS[name]
     base = make()
     fields = {f.name for f in dataclasses.fields(base)}
-    defaults: dict[str, Any] = {"scan_layers": True, "attention_block": ATTENTION_BLOCK}
-    if "seq_len" in fields:
-        defaults["attention_block"] = math.gcd(ATTENTION_BLOCK, overrides.get("seq_len") or base.seq_len)
-    defaults = {k: v for k, v in defaults.items() if k in fields}  # a UNet has no scanned layers
+    at_scale = _at_scale(overrides.get("seq_len") or getattr(base, "seq_len", None))
+    defaults = {k: v for k, v in at_scale.items() if k in fields}  # a UNet has no scanned layers
     unknown = sorted(set(overrides) - fields)
     if unknown:
         raise ConfigError(f"preset {name!r} has no fields {unknown}; its fields are {sorted(fields)}")
     return ModelPreset(name, make(**{**defaults, **overrides}), family)
+
+
+def _at_scale(seq: int | None) -> dict[str, Any]:
+    """How every model here is built, as large runs train them: its blocks scanned, attention over blocks of
+    `ATTENTION_BLOCK` queries (the largest power-of-two part of it that divides the sequence length ``seq``)."""
+    return {"scan_layers": True, "attention_block": ATTENTION_BLOCK if seq is None else math.gcd(ATTENTION_BLOCK, seq)}
 
 
 def llama_shape(
@@ -107,7 +111,36 @@ def llama_shape(
         n_kv_heads=kv_heads or heads,
         ffn=ffn,
         n_layers=layers,
-        scan_layers=True,
-        attention_block=math.gcd(ATTENTION_BLOCK, seq),
+        **_at_scale(seq),
     )
     return ModelPreset(f"llama-{layers}x{d_model}", cfg, Llama)
+
+
+def gpt_shape(
+    *,
+    layers: int,
+    d_model: int,
+    heads: int,
+    vocab: int,
+    seq: int,
+    ffn: int | None = None,
+    head_dim: int | None = None,
+) -> ModelPreset:
+    """A GPT-family model of these dimensions (Megatron's shapes: learned positions, a ``4 d_model`` MLP unless
+    ``ffn``, heads of ``d_model / heads`` unless ``head_dim``).
+
+    >>> m = gpt_shape(layers=24, d_model=2304, heads=24, vocab=51200, seq=2048)  # Megatron's "1.7B" (head untied)
+    >>> m.name, m.config.attention_block, f"{m.config.num_params() / 1e9:.2f}B"
+    ('gpt-24x2304', 512, '1.77B')
+    """
+    cfg = GPTConfig(
+        vocab_size=vocab,
+        seq_len=seq,
+        d_model=d_model,
+        n_heads=heads,
+        n_layers=layers,
+        ffn=ffn,
+        head_dim=head_dim,
+        **_at_scale(seq),
+    )
+    return ModelPreset(f"gpt-{layers}x{d_model}", cfg, GPT)
