@@ -74,7 +74,7 @@ from openhosti_jax.checkpoint.flat import (
     unflatten_state,
 )
 from openhosti_jax.checkpoint.policy import SavePolicy
-from openhosti_jax.checkpoint.replicate import replica_steps, replicate_step
+from openhosti_jax.checkpoint.replicate import fetch_step, replica_fs, replica_reachable, replica_steps, replicate_step
 from openhosti_jax.data.protocol import check_json_state
 from openhosti_jax.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, ConfigError
 from openhosti_jax.mesh.barrier import gathered
@@ -181,10 +181,20 @@ class CheckpointManager:
         if not (isinstance(agree_every, int) and agree_every >= 1):
             raise ConfigError(f"expected agree_every to be an int >= 1, found {agree_every!r}")
         self.directory = epath.Path(directory)
-        self.replicate_to = None if replicate_to is None else epath.Path(replicate_to)
+        self.replicate_to = None if replicate_to is None else os.fspath(replicate_to)
+        if self.replicate_to is not None:
+            replica_reachable(self.replicate_to)  # credentials that do not work fail now, not at the first save
         self._mgr = _orbax_manager(self.directory, async_save=async_save, read_only=False)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="openhosti-checkpoint")
         self._pending: list[Future[None]] = []
+        self._replicator = ThreadPoolExecutor(max_workers=1, thread_name_prefix="openhosti-replicate")
+        self._replicating: list[Future[None]] = []
+        self._to_copy: set[int] = set()
+        self._copy_lock = threading.Lock()
+        self.replication_lag_s: list[float] = []
+        """Seconds each replicated step took to reach the replica after its local commit."""
+        self.replication_failures: list[str] = []
+        """Steps whose copy failed (the next good step's copy catches up)."""
         self._threads = default_threads()
         self._verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="openhosti-verify")
         self._started: set[int] = set()
@@ -254,8 +264,8 @@ class CheckpointManager:
         self._started.add(step)
         self._last_save = self._clock()
         self._pending.append(self._worker.submit(self._finish, step, arrays))
-        if signalled:
-            self.wait()
+        if signalled:  # within the grace period: the local tier; the replica follows if time allows
+            self.wait(replicas=False)
             self._signal, self.preempted = None, True
         return True
 
@@ -281,9 +291,35 @@ class CheckpointManager:
                     "the step does not count as good: check that every process calls maybe_save and wait"
                 )
             time.sleep(_POLL_S)
-        if self.replicate_to is not None:
-            replicate_step(path, self.replicate_to, keep=self.policy.keep)
+        if self.replicate_to is not None:  # on its own thread: neither training nor a local save waits for it
+            with self._copy_lock:
+                self._to_copy.add(step)  # kept by _rotate until its copy is done
+            self._replicating.append(self._replicator.submit(self._replicate, path))
         self._rotate()
+
+    def _replicate(self, path: epath.Path) -> None:
+        """Background: copy the step to the replica; a failure (the store unreachable) is logged with the lag and
+        the next good step's copy catches up (the replica keeps its previous complete steps meanwhile)."""
+        step = int(path.name)
+        with self._copy_lock:
+            superseded = any(s > step for s in self._to_copy)
+        t0 = time.monotonic()
+        try:
+            if not superseded:  # a newer good step waits to be copied: the replica needs only the newest
+                replicate_step(path, self.replicate_to, keep=self.policy.keep)
+        except Exception as e:  # noqa: BLE001 - replication must never stop training
+            self.replication_failures.append(f"step {path.name}: {type(e).__name__}: {str(e)[:300]}")
+            warnings.warn(
+                f"checkpoint step {path.name} was not replicated to {self.replicate_to} ({type(e).__name__}: "
+                f"{str(e)[:200]}); the replica's newest complete step is older, and the next save tries again",
+                stacklevel=1,
+            )
+        else:
+            if not superseded:
+                self.replication_lag_s.append(time.monotonic() - t0)
+        finally:
+            with self._copy_lock:
+                self._to_copy.discard(step)
 
     def _rotate(self) -> None:
         """Keep the newest ``keep`` good steps; drop older ones and dead (never checksummed) older folders.
@@ -300,6 +336,8 @@ class CheckpointManager:
             for p in self.directory.iterdir()
             if p.name.isdigit() and int(p.name) < good[-1] and not has_checksums(p)
         }
+        with self._copy_lock:
+            drop -= self._to_copy  # a step still being copied to the replica goes at a later rotation
         for step in sorted(drop):
             path = self.directory / str(step)
             for record in record_files(path):
@@ -340,14 +378,19 @@ class CheckpointManager:
         self._decided = (step, decision)
         return decision
 
-    def wait(self) -> None:
-        """Block until every started save is committed, checksummed (process 0: by every process) and replicated."""
+    def wait(self, *, replicas: bool = True) -> None:
+        """Block until every started save is committed and checksummed (process 0: by every process) and, with
+        ``replicas``, copied to the replica (a preemption's save waits only for the local tier)."""
         self._hurry.set()
         try:
             self._mgr.wait_until_finished()
             pending, self._pending = self._pending, []
             for f in pending:
                 f.result()
+            if replicas:
+                copying, self._replicating = self._replicating, []
+                for f in copying:
+                    f.result()
         finally:
             self._hurry.clear()
 
@@ -414,42 +457,40 @@ class CheckpointManager:
                 f"expected checkpoint step {step} in {self.directory}, found no such folder; committed and "
                 f"checksummed steps there: {self.good_steps()}"
             )
-        roots = [(self.directory, self._mgr)]
-        if self.replicate_to is not None and step is None:
-            roots.append((self.replicate_to, None))
-        plan = [(root, mgr, [int(step)] if step is not None else _good_steps(root)[::-1]) for root, mgr in roots]
-        if not any(steps for _, _, steps in plan):
+        local = [int(step)] if step is not None else _good_steps(self.directory)[::-1]
+        remote = self.replica_steps() if step is None else []
+        # newest step first; a step's local copy before its replica, which is fetched (onto this machine's tier)
+        # when the local copy is missing (a replaced machine) or does not verify
+        attempts = sorted({(s, False) for s in local} | {(s, True) for s in remote}, key=lambda a: (-a[0], a[1]))
+        if not attempts:
             raise CheckpointError(self._nothing_to_restore())
         failures: list[str] = []
-        for root, mgr, steps in plan:
-            reader = mgr or _orbax_manager(root, async_save=False, read_only=True)
-            try:
-                for i, s in enumerate(steps):
-                    problems, meta, checking = self._check_step(
-                        reader, root, s, target, wanted, concrete if partial else None, verify, steps[i + 1 :]
-                    )
-                    if not problems:  # every process reads (Orbax's collectives) or none does
-                        restored, failed = None, None
-                        try:  # while `checking` verifies the array files; nothing is returned before it is done
-                            restored = self._restore_step(reader, s, abstract_state, target, meta, concrete)
-                        except CheckpointError:
-                            raise
-                        except Exception as e:  # noqa: BLE001 - a read failure of intact files: say which
-                            failed = f"Orbax failed to read it: {type(e).__name__}: {str(e)[:500]}"
-                        late = checking.result() if checking is not None else []
-                        problems = _problems_of_all(late or ([failed] if failed else []))
-                        if not problems:
-                            self.restored_step = s
-                            return restored
-                        del restored
-                    failures.append(f"step {s} in {root}: " + "; ".join(problems))
-                    if step is None:
-                        warnings.warn(
-                            f"checkpoint {failures[-1]}; falling back to the previous good step", stacklevel=2
-                        )
-            finally:
-                if reader is not mgr:
-                    reader.close()
+        for i, (s, fetch) in enumerate(attempts):
+            if fetch:
+                fetch_step(self.replicate_to, s, self.directory)
+                self._mgr.reload()
+            older = [a for a, _ in attempts[i + 1 :] if a != s]
+            problems, meta, checking = self._check_step(
+                self._mgr, self.directory, s, target, wanted, concrete if partial else None, verify, older
+            )
+            if not problems:  # every process reads (Orbax's collectives) or none does
+                restored, failed = None, None
+                try:  # while `checking` verifies the array files; nothing is returned before it is done
+                    restored = self._restore_step(self._mgr, s, abstract_state, target, meta, concrete)
+                except CheckpointError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - a read failure of intact files: say which
+                    failed = f"Orbax failed to read it: {type(e).__name__}: {str(e)[:500]}"
+                late = checking.result() if checking is not None else []
+                problems = _problems_of_all(late or ([failed] if failed else []))
+                if not problems:
+                    self.restored_step = s
+                    return restored
+                del restored
+            where = f"the replica {self.replicate_to}" if fetch else str(self.directory)
+            failures.append(f"step {s} in {where}: " + "; ".join(problems))
+            if step is None:
+                warnings.warn(f"checkpoint {failures[-1]}; falling back to the previous good copy", stacklevel=2)
         raise CheckpointCorruptError(
             "expected a checkpoint step whose files match their checksums, found none:\n  "
             + "\n  ".join(failures)
@@ -457,9 +498,25 @@ class CheckpointManager:
         )
 
     def _nothing_to_restore(self) -> str:
-        where = [self.directory] + ([self.replicate_to] if self.replicate_to is not None else [])
+        where = [self.directory]
         found = []
-        for root in where:
+        if self.replicate_to is not None:
+            fs, root = replica_fs(self.replicate_to)
+            where.append(self.replicate_to)
+            if not fs.exists(root):
+                found.append(f"{self.replicate_to} does not exist")
+            else:
+                folders = sorted(
+                    int(n.rstrip("/").rsplit("/", 1)[-1])
+                    for n in fs.ls(root, detail=False)
+                    if n.rstrip("/").rsplit("/", 1)[-1].isdigit()
+                )
+                found.append(
+                    f"{self.replicate_to} has step folders {folders} but none is a complete copy"
+                    if folders
+                    else f"{self.replicate_to} has no step folders"
+                )
+        for root in where[:1]:
             if not root.exists():
                 found.append(f"{root} does not exist")
                 continue
@@ -626,6 +683,7 @@ class CheckpointManager:
             self.wait()
         finally:
             self._worker.shutdown(wait=True)
+            self._replicator.shutdown(wait=True)
             self._verifier.shutdown(wait=True)
             self._mgr.close()
             for sig, old in self._old_handlers.items():

@@ -25,7 +25,7 @@ from typing import Any
 
 import jax
 
-from openhosti_jax.errors import DistributedError
+from openhosti_jax.errors import ConfigError, DistributedError
 
 _PREFIX = "openhosti"
 _calls: defaultdict[str, itertools.count] = defaultdict(itertools.count)
@@ -41,9 +41,9 @@ def _client() -> Any | None:
 def _gather(kind: str, name: str, value: str, timeout_s: float) -> list[str] | None:
     """Every process's ``value`` (by process id), or None on a single process; raises naming the missing ones."""
     if not isinstance(name, str) or not name or "/" in name:
-        raise DistributedError(f"{kind} name must be a non-empty string without '/', found {name!r}")
+        raise ConfigError(f"{kind} name must be a non-empty string without '/', found {name!r}")
     if not timeout_s > 0:
-        raise DistributedError(f"{kind} timeout_s must be > 0, found {timeout_s!r}")
+        raise ConfigError(f"{kind} timeout_s must be > 0, found {timeout_s!r}")
     client = _client() if jax.process_count() > 1 else None
     if client is None:
         return None
@@ -102,7 +102,7 @@ def agree(name: str, value: str, *, timeout_s: float = 300.0) -> str:
         'data=1 fsdp=8'
     """
     if not isinstance(value, str):
-        raise DistributedError(f"agree {name!r}: value must be a str (e.g. a digest), found {type(value).__name__}")
+        raise ConfigError(f"agree {name!r}: value must be a str (e.g. a digest), found {type(value).__name__}")
     values = _gather("agree", name, value, timeout_s)
     if values is None:
         return value

@@ -35,7 +35,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from openhosti_jax.data.position import CountingIterator, restartable
-from openhosti_jax.errors import StateError
+from openhosti_jax.errors import ConfigError, StateError
 from openhosti_jax.state.layout import step_of
 from openhosti_jax.train.metrics import MetricsLog, to_python
 from openhosti_jax.train.profiling import ProfileWindow
@@ -151,9 +151,9 @@ class Trainer:
         profile: ProfileWindow | None = None,
     ):
         if log_every < 1:
-            raise StateError(f"log_every must be >= 1, found {log_every}")
+            raise ConfigError(f"log_every must be >= 1, found {log_every}")
         if spikes is not None and checkpoint is None:
-            raise StateError(
+            raise ConfigError(
                 "Trainer(spikes=...) rolls back to the last good checkpoint, but no checkpoint was given; pass "
                 "checkpoint=openhosti_jax.TrainerCheckpoint(directory, every_steps=N)"
             )
@@ -251,9 +251,9 @@ class Trainer:
         if eval_data is None:
             return
         if self.eval_step is None:
-            raise StateError("fit(eval_data=...) needs Trainer(eval_step=fn) with fn(state, batch) -> metrics")
+            raise ConfigError("fit(eval_data=...) needs Trainer(eval_step=fn) with fn(state, batch) -> metrics")
         if eval_every is not None and eval_every < 1:
-            raise StateError(f"eval_every must be >= 1, found {eval_every}")
+            raise ConfigError(f"eval_every must be >= 1, found {eval_every}")
         stateful = callable(getattr(eval_data, "get_state", None))
         if not (callable(eval_data) or stateful or restartable(eval_data)):
             raise StateError(
