@@ -127,7 +127,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         print_plan=False,
         replan=args.replan,
     )
-    checkpoint = TrainerCheckpoint(os.path.abspath(ckpt_dir), every_steps=args.checkpoint_every) if ckpt_dir else None
+    checkpoint = None
+    if ckpt_dir:
+        checkpoint = TrainerCheckpoint(
+            os.path.abspath(ckpt_dir), every_steps=args.checkpoint_every, replicate_to=args.replicate_to
+        )
     mesh = build_mesh(MeshConfig(data=1, fsdp=-1), devices)
     state, _, step, data = build_resumable_job(job, mesh, checkpoint)
     text = str(step.report)
@@ -323,6 +327,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--run-dir", help="write metrics.jsonl, plan.txt, plan.json (and checkpoint times) here")
     t.add_argument("--metrics", help="JSONL metrics path (default RUN_DIR/metrics.jsonl)")
     t.add_argument("--checkpoint-dir", help="save checkpoints here and resume from the latest one")
+    t.add_argument(
+        "--replicate-to",
+        help="copy each good checkpoint step here too (s3://..., gs://... or a path), in the background; a run whose "
+        "--checkpoint-dir is empty or stale resumes from it",
+    )
     t.add_argument("--checkpoint", action="store_true", help="checkpoint into RUN_DIR/checkpoints")
     t.add_argument("--checkpoint-every", type=int, default=None, help="also save every K steps")
     t.add_argument("--seq-len", type=int, default=32, help="tokens per sequence (default 32)")

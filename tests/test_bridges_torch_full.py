@@ -3,6 +3,7 @@ gradient accumulation over microbatches, checkpoint save/resume and the state-di
 
 import copy
 import importlib.util
+import shutil
 import warnings
 
 import numpy as np
@@ -215,13 +216,22 @@ def test_checkpoint_resumes_bit_identically(tmp_path):
         torch.manual_seed(seed)
         model = TinyGPT(dropout=0.1)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-        return OptimizedDDP(model, optimizer=opt, criterion=_ce, checkpoint_dir=tmp_path, every_steps=3)
+        return OptimizedDDP(
+            model,
+            optimizer=opt,
+            criterion=_ce,
+            checkpoint_dir=tmp_path / "local",
+            every_steps=3,
+            replicate_to=tmp_path / "replica",
+        )
 
     first = make(0)
     losses = [float(first.train_step(x, y)) for x, y in batches]
     first.close()
     assert first.module.training and losses[-1] < losses[0]
+    shutil.rmtree(tmp_path / "local")  # the machine was replaced: only the replica survives
     resumed = make(1)
+    assert resumed.checkpoints.fetched_step == 3
     assert resumed.checkpoints.latest_good_step() == 3
     again = [float(resumed.train_step(x, y)) for x, y in batches[3:]]
     assert again == losses[3:]

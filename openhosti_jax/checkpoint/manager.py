@@ -209,6 +209,11 @@ class CheckpointManager:
         self.preempted = False
         self.restored_step: int | None = None
         """The step the last `restore` read (after any fallback past a corrupt step)."""
+        self.fetched_step: int | None = None
+        """The replica step fetched onto the local tier at construction (it was newer than any local good step:
+        a replaced machine, a lost or stale local disk), or None."""
+        if self.replicate_to is not None:
+            self.fetched_step = self._fetch_newer_replica()
         """Set once a save forced by a signal has committed: the training loop should stop."""
 
     # -- saving ------------------------------------------------------------------------------------------
@@ -296,6 +301,19 @@ class CheckpointManager:
                 self._to_copy.add(step)  # kept by _rotate until its copy is done
             self._replicating.append(self._replicator.submit(self._replicate, path))
         self._rotate()
+
+    def _fetch_newer_replica(self) -> int | None:
+        """On start: bring the newest complete replica step onto the local tier when no local good step is as new,
+        so every door (Trainer, `openhosti train`, OptimizedDDP, the Keras callback) resumes from whatever
+        survives through the local path it already takes."""
+        remote = replica_steps(self.replicate_to)
+        local = _good_steps(self.directory)
+        if not remote or (local and local[-1] >= remote[-1]):
+            return None
+        self.directory.mkdir(parents=True, exist_ok=True)
+        fetch_step(self.replicate_to, remote[-1], self.directory)
+        self._mgr.reload()
+        return remote[-1]
 
     def _replicate(self, path: epath.Path) -> None:
         """Background: copy the step to the replica; a failure (the store unreachable) is logged with the lag and

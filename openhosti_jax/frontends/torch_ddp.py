@@ -33,7 +33,9 @@ per microbatch, as in torch's accumulation loop); ``microbatch="auto"`` picks th
 peak fits ``memory_budget``. Later batches keep the microbatch size, and an out-of-memory step halves it and re-runs
 (`openhosti_jax.spmd`). Dropout draws from the train state's key (``seed``). ``checkpoint_dir=`` saves the whole
 train state (parameters, optimizer state, buffers, key) through `openhosti_jax.checkpoint.CheckpointManager` every
-``every_steps`` steps (else every 15 minutes; `save_checkpoint` saves now, `close` waits for saves in flight), and a
+``every_steps`` steps (else every 15 minutes; ``replicate_to=`` an object-store URL or path that receives a copy of
+each good step in the background, from which a machine that lost its disk resumes; `save_checkpoint` saves now, `close`
+waits for saves in flight), and a
 new ``OptimizedDDP`` on the same directory resumes from its latest good step at its first ``train_step``.
 `state_dict` writes the trained weights and buffers back into the module; `load_state_dict` (or `load_module` after
 changing the module directly) takes the module's values into the train state, keeping the optimizer state.
@@ -117,6 +119,7 @@ class OptimizedDDP(torch.nn.Module):
         microbatch: int | str | None = None,
         memory_budget: int | None = None,
         checkpoint_dir: str | os.PathLike[str] | None = None,
+        replicate_to: str | os.PathLike[str] | None = None,
         every_steps: int | None = None,
         keep: int | None = 3,
         balance: bool = False,
@@ -148,6 +151,7 @@ class OptimizedDDP(torch.nn.Module):
             "microbatch": microbatch,
             "memory_budget": memory_budget,
             "checkpoint_dir": checkpoint_dir,
+            "replicate_to": replicate_to,
             "balance": balance or None,
         }
         given = sorted(k for k, v in full_only.items() if v is not None)
@@ -195,7 +199,11 @@ class OptimizedDDP(torch.nn.Module):
             }
             if checkpoint_dir is not None:
                 self.checkpoints = CheckpointManager(
-                    checkpoint_dir, every_minutes=None if every_steps else 15.0, every_steps=every_steps, keep=keep
+                    checkpoint_dir,
+                    every_minutes=None if every_steps else 15.0,
+                    every_steps=every_steps,
+                    keep=keep,
+                    replicate_to=replicate_to,
                 )
         if jax.process_count() > 1:  # as DDP does: every process starts from process 0's parameters and buffers
             with torch.no_grad():

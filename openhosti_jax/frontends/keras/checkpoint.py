@@ -52,6 +52,7 @@ def checkpoint_callback(
     every_minutes: float | None,
     keep: int | None,
     clock: Callable[[], float] = time.monotonic,
+    replicate_to: str | os.PathLike[str] | None = None,
 ) -> Any:
     """A Keras callback saving to ``directory`` on the given schedule and resuming from it (module docstring)."""
     keras = keras_module()
@@ -60,7 +61,12 @@ def checkpoint_callback(
         def __init__(self) -> None:
             super().__init__()
             self.manager = CheckpointManager(
-                directory, every_minutes=every_minutes, every_steps=every_steps, keep=keep, clock=clock
+                directory,
+                every_minutes=every_minutes,
+                every_steps=every_steps,
+                keep=keep,
+                clock=clock,
+                replicate_to=replicate_to,
             )
             self.restored_step: int | None = None
             self.restored_data: dict[str, Any] | None = None

@@ -264,6 +264,7 @@ class Strategy:
         every_minutes: float | None = None,
         keep: int | None = 3,
         clock: Callable[[], float] = time.monotonic,
+        replicate_to: str | os.PathLike[str] | None = None,
     ) -> Any:
         """A Keras callback: prints the plan, restores the newest good checkpoint when training begins (weights,
         optimizer state, step count and data position) and saves asynchronously every ``every_steps`` steps and/or
@@ -273,7 +274,13 @@ class Strategy:
         if every_steps is None and minutes is None:
             every_steps = 100
         return checkpoint_callback(
-            self, directory, every_steps=every_steps, every_minutes=minutes, keep=keep, clock=clock
+            self,
+            directory,
+            every_steps=every_steps,
+            every_minutes=minutes,
+            keep=keep,
+            clock=clock,
+            replicate_to=replicate_to,
         )
 
     def run(self, fn: Callable[..., Any], args: Any = (), kwargs: Any = None, options: Any = None) -> Any:
