@@ -73,17 +73,20 @@ def replica_reachable(dest: str | os.PathLike[str]) -> None:
     reported before training starts, not at the first save (`ConfigError` saying what failed)."""
     fs, root = replica_fs(dest)
     probe = f"{root}/.openhosti-probe-{os.getpid()}"
+    problem, cause = None, None
     try:
         fs.makedirs(root, exist_ok=True)
         fs.pipe_file(probe, b"ok")
         if fs.cat_file(probe) != b"ok":
-            raise OSError("the probe read back differently")
+            problem = "a probe that read back differently"
         fs.rm_file(probe)
     except Exception as e:  # noqa: BLE001 - any client failure (credentials, endpoint, permissions) is said once
+        problem, cause = f"{type(e).__name__}: {str(e)[:300]}", e
+    if problem is not None:
         raise ConfigError(
             f"replicate_to={os.fspath(dest)!r}: expected a location this process can write, read and delete in, "
-            f"found {type(e).__name__}: {str(e)[:300]}; check the credentials, endpoint and bucket"
-        ) from e
+            f"found {problem}; check the credentials, endpoint and bucket"
+        ) from cause
 
 
 def _local_files(root: str) -> list[str]:
