@@ -28,9 +28,21 @@ def test_layers_contract_is_kept():
     assert "1 kept, 0 broken" in run.stdout
 
 
-@pytest.mark.slow  # 7 s on the 2-core machine: too long for the fast suite
+SLOW_EXAMPLES = {
+    "openhosti_jax.demo.gpt_job",  # trains the demo (7 s)
+    "openhosti_jax.checkpoint.restart",  # starts the supervised command
+    "openhosti_jax.mesh.launch",  # starts local processes
+    "openhosti_jax.bridges.tensors",  # imports TensorFlow, which starts a process
+    "openhosti_jax.bridges.tf_compute",
+    "openhosti_jax.bridges.tf_data",
+}
+"""Modules whose examples train a model or start processes: the slow suite runs them."""
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", MODULES)
+@pytest.mark.parametrize(
+    "name", [pytest.param(m, marks=pytest.mark.slow) if m in SLOW_EXAMPLES else m for m in MODULES]
+)
 def test_docstring_examples_run(name):
     module = importlib.import_module(name)
     tests = doctest.DocTestFinder(exclude_empty=True).find(module, name)
