@@ -97,3 +97,24 @@ def test_no_package_attribute_hides_a_submodule():
                 hidden.append(f"{name}.{sub.name} is {type(value).__name__} {value!r}, not the submodule")
     assert len(packages) > 10, packages
     assert not hidden, hidden
+
+
+def test_tests_that_need_an_optional_framework_carry_its_mark():
+    """``-m "not torch"`` / ``-m "not tf"`` deselect every test that needs that extra: a test module that imports
+    torch (or TensorFlow / Keras) is marked ``torch`` (``tf``)."""
+    import pathlib
+    import re
+
+    needs = {
+        "torch": re.compile(
+            r"^\s*(import torch|torch = pytest\.importorskip|from openhosti_jax\.frontends\.torch)", re.M
+        ),
+        "tf": re.compile(r"importorskip\(\"(tensorflow|keras)\"\)|^\s*import (tensorflow|keras)\b", re.M),
+    }
+    unmarked = []
+    for path in sorted(pathlib.Path(ROOT, "tests").rglob("test_*.py")):
+        text = path.read_text()
+        for mark, pattern in needs.items():
+            if pattern.search(text) and f"mark.{mark}" not in text:
+                unmarked.append(f"{path.relative_to(ROOT)} needs the {mark} mark")
+    assert not unmarked, unmarked

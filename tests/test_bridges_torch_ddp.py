@@ -16,6 +16,8 @@ from openhosti_jax.bridges.torch_lowering import import_torchax  # noqa: E402
 from openhosti_jax.frontends.torch_ddp import OptimizedDDP  # noqa: E402
 from openhosti_jax.mesh import MeshConfig, build_mesh  # noqa: E402
 
+pytestmark = pytest.mark.torch  # needs the torch extra
+
 
 class TinyGPT(torch.nn.Module):
     """An embedding tied to the head around one transformer encoder layer (dropout off)."""

@@ -13,6 +13,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.torch  # needs the torch extra
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -16,6 +16,8 @@ if importlib.util.find_spec("torchax") is None:  # imported through the shim onl
 from openhosti_jax.errors import BatchError, BridgeError  # noqa: E402
 from openhosti_jax.frontends.torch_ddp import OptimizedDDP  # noqa: E402
 
+pytestmark = pytest.mark.torch  # needs the torch extra
+
 
 class ConvNet(torch.nn.Module):
     """Conv, BatchNorm, linear head. The conv has no bias: BatchNorm subtracts it, so its gradient is exactly zero and

@@ -10,6 +10,8 @@ import sys
 import pytest
 from _keras_subprocess import run_case
 
+pytestmark = pytest.mark.tf  # needs the keras and tf extras
+
 
 def _model(keras):
     keras.utils.set_random_seed(0)

@@ -13,6 +13,8 @@ import warnings
 import pytest
 from _keras_subprocess import run_case
 
+pytestmark = pytest.mark.tf  # needs the keras and tf extras
+
 
 def _mlp(keras, hidden=64):
     keras.utils.set_random_seed(0)

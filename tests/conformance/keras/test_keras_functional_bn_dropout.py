@@ -7,6 +7,8 @@ compared with the trained weights, and ``predict`` in inference mode."""
 import pytest
 from _keras_harness import assert_same, blobs, run, weights, worker
 
+pytestmark = pytest.mark.tf  # needs the keras and tf extras
+
 
 def example(make_strategy, workdir):
     strategy = make_strategy()

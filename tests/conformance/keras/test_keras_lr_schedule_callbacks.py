@@ -9,6 +9,8 @@ import os
 import pytest
 from _keras_harness import assert_same, blobs, run, weights, worker
 
+pytestmark = pytest.mark.tf  # needs the keras and tf extras
+
 
 def example(make_strategy, workdir):
     strategy = make_strategy()

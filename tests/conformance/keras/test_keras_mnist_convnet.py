@@ -6,6 +6,8 @@ in batches of 64 leave a partial last batch, and the 60-row validation split ano
 import pytest
 from _keras_harness import assert_same, blobs, run, weights, worker
 
+pytestmark = pytest.mark.tf  # needs the keras and tf extras
+
 
 def example(make_strategy, workdir):
     strategy = make_strategy()

@@ -11,6 +11,8 @@ from _torch_harness import class_images, optimized, plain
 from torch import nn
 from torch.optim.lr_scheduler import StepLR
 
+pytestmark = pytest.mark.torch  # needs the torch extra
+
 
 class Net(nn.Module):
     def __init__(self):

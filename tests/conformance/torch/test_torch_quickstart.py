@@ -9,6 +9,8 @@ from _torch_harness import assert_state_close, class_images, optimized, plain
 from torch import nn
 from torch.utils.data import DataLoader
 
+pytestmark = pytest.mark.torch  # needs the torch extra
+
 device = "cpu"
 
 

@@ -10,6 +10,8 @@ import torch
 from _torch_harness import assert_state_close, optimized, plain
 from torch import nn
 
+pytestmark = pytest.mark.torch  # needs the torch extra
+
 
 class ToyModel(nn.Module):
     def __init__(self):

@@ -9,6 +9,8 @@ import torch
 from _torch_harness import assert_state_close, optimized, plain
 from torch.optim.lr_scheduler import ExponentialLR, MultiStepLR
 
+pytestmark = pytest.mark.torch  # needs the torch extra
+
 
 def main(wrap):
     torch.manual_seed(0)

@@ -10,6 +10,8 @@ import torch
 from _torch_harness import assert_state_close, optimized, plain
 from torch.utils.data import DataLoader
 
+pytestmark = pytest.mark.torch  # needs the torch extra
+
 transformers = pytest.importorskip("transformers")
 
 
