@@ -17,7 +17,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import jax
@@ -26,6 +25,7 @@ from flax import nnx
 
 from openhosti_jax.errors import ConfigError, StateError
 from openhosti_jax.models.attention import causal_mask, query_blocks
+from openhosti_jax.models.checks import dtype_problem, finite_number, positive_ints
 from openhosti_jax.policies.remat import keep
 from openhosti_jax.sharding.rules import LAYER_AXIS
 from openhosti_jax.state.blocks import stack_modules
@@ -65,12 +65,7 @@ class LlamaConfig:
     """Queries per attention block (`openhosti_jax.models.attention.query_blocks`); None: all at once."""
 
     def __post_init__(self) -> None:
-        bad = {
-            k
-            for k in _POSITIVE_INTS
-            if not isinstance(getattr(self, k), int) or isinstance(getattr(self, k), bool) or getattr(self, k) < 1
-        }
-        problems = [f"{k}={getattr(self, k)!r} must be a positive int" for k in _POSITIVE_INTS if k in bad]
+        bad, problems = positive_ints({k: getattr(self, k) for k in _POSITIVE_INTS}, _POSITIVE_INTS)
         if not bad & {"d_model", "n_heads"}:
             if self.d_model % self.n_heads:
                 problems.append(f"n_heads={self.n_heads} must divide d_model={self.d_model}")
@@ -81,18 +76,13 @@ class LlamaConfig:
                 )
         if not bad & {"n_heads", "n_kv_heads"} and self.n_heads % self.n_kv_heads:
             problems.append(f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}")
-        for k in ("rope_theta", "norm_eps"):
-            v = getattr(self, k)
-            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v <= 0:
-                problems.append(f"{k}={v!r} must be a positive finite number")
+        problems += [
+            p for k in ("rope_theta", "norm_eps") if (p := finite_number(k, getattr(self, k), minimum=0, strict=True))
+        ]
         for k in ("tie_embeddings", "scan_layers"):
             if not isinstance(getattr(self, k), bool):
                 problems.append(f"{k}={getattr(self, k)!r} must be a bool")
-        try:
-            if not jnp.issubdtype(jnp.dtype(self.dtype), jnp.floating):
-                problems.append(f"dtype={self.dtype!r} must be a floating dtype")
-        except TypeError:
-            problems.append(f"dtype={self.dtype!r} is not a dtype name (e.g. 'float32', 'bfloat16')")
+        problems += [p for p in [dtype_problem(self.dtype)] if p]
         if problems:
             raise ConfigError("invalid LlamaConfig: " + "; ".join(problems))
 

@@ -39,6 +39,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from openhosti_jax.errors import BatchError, ConfigError, ShardingError
+from openhosti_jax.models.checks import dtype_problem, finite_number, positive_ints
 
 _POSITIVE_INTS = ("d_model", "d_ff", "num_experts", "top_k")
 _EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
@@ -71,12 +72,7 @@ class MoEConfig:
     """Compute dtype of the experts (parameters stay float32; the router runs in float32)."""
 
     def __post_init__(self) -> None:
-        bad = {
-            k
-            for k in _POSITIVE_INTS
-            if not isinstance(getattr(self, k), int) or isinstance(getattr(self, k), bool) or getattr(self, k) < 1
-        }
-        problems = [f"{k}={getattr(self, k)!r} must be a positive int" for k in _POSITIVE_INTS if k in bad]
+        bad, problems = positive_ints({k: getattr(self, k) for k in _POSITIVE_INTS}, _POSITIVE_INTS)
         if not bad & {"num_experts", "top_k"} and self.top_k > self.num_experts:
             problems.append(f"top_k={self.top_k} must be at most num_experts={self.num_experts}")
         s = self.num_shared_experts
@@ -85,15 +81,12 @@ class MoEConfig:
         c = self.capacity_factor
         if c is not None and (isinstance(c, bool) or not isinstance(c, int | float) or not math.isfinite(c) or c <= 0):
             problems.append(f"capacity_factor={c!r} must be a positive finite number or None (dropless)")
-        for k in ("aux_loss_weight", "router_z_loss_weight"):
-            v = getattr(self, k)
-            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
-                problems.append(f"{k}={v!r} must be a finite number >= 0")
-        try:
-            if not jnp.issubdtype(jnp.dtype(self.dtype), jnp.floating):
-                problems.append(f"dtype={self.dtype!r} must be a floating dtype")
-        except TypeError:
-            problems.append(f"dtype={self.dtype!r} is not a dtype name (e.g. 'float32', 'bfloat16')")
+        problems += [
+            p
+            for k in ("aux_loss_weight", "router_z_loss_weight")
+            if (p := finite_number(k, getattr(self, k), minimum=0, strict=False))
+        ]
+        problems += [p for p in [dtype_problem(self.dtype)] if p]
         if problems:
             raise ConfigError("invalid MoEConfig: " + "; ".join(problems))
 
