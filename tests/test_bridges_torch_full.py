@@ -427,3 +427,25 @@ def test_full_mode_takes_a_dataloaders_short_last_batch(plan):
     ddp.state_dict()
     _assert_state_close(ours, reference)
     assert int(ours.bn.num_batches_tracked) == 10
+
+
+@pytest.mark.slow  # four compiles of a small MLP
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("options", [{"microbatch": 2}, {"balance": True, "balance_microbatches": 8, "plan": "dp"}])
+def test_a_short_last_batch_with_accumulation_or_balancing_equals_torch(options):
+    """37 rows in batches of 16 (the last one 5: fewer than the devices, not a multiple of the microbatches or the
+    balancer's pieces), two epochs: the full batches accumulate (or are balanced), the short one runs whole, and
+    losses and weights equal plain torch's over the same batches."""
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.Tanh(), torch.nn.Linear(32, 5))
+    ours = copy.deepcopy(reference)
+    g = torch.Generator().manual_seed(4)
+    data = torch.utils.data.TensorDataset(torch.randn(37, 6, generator=g), torch.randint(0, 5, (37,), generator=g))
+    loader = torch.utils.data.DataLoader(data, batch_size=16)
+    expected = _torch_steps(reference, torch.optim.SGD(reference.parameters(), lr=0.1), [*loader] * 2)
+    opt = torch.optim.SGD(ours.parameters(), lr=0.1)
+    ddp = OptimizedDDP(ours, optimizer=opt, criterion=torch.nn.functional.cross_entropy, **options)
+    got = [float(ddp.train_step(x, y)) for _ in range(2) for x, y in loader]
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    ddp.state_dict()
+    _assert_state_close(ours, reference)

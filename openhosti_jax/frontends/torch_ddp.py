@@ -25,8 +25,9 @@ default the planner chooses the ZeRO stage, as every door does where no plan is 
 replicated, so ``plan=`` belongs to the full mode. The buffers ride in the train state's ``model_state``: BatchNorm's
 running statistics are updated as torch
 updates them. ``model.eval()`` / ``model.train()`` select the program (one each). A batch that does not divide the
-data axis (a DataLoader's short last batch) runs in a program of its own that splits it unevenly (without
-``microbatch=``). ``microbatch=k`` accumulates the
+data axis, the microbatches or the balancer's pieces (a DataLoader's short last batch) runs whole in a program of
+its own that splits it unevenly over the devices (its gradient is the mean over its real rows; without accumulation
+or balancing for that one batch, so its BatchNorm statistics update once). ``microbatch=k`` accumulates the
 gradient over k microbatches of the first batch (microbatch i: rows i, i + k, ...; the loss is taken as a mean over
 the rows, as torch's losses are, so the gradient is the mean of the microbatches'; BatchNorm's statistics update once
 per microbatch, as in torch's accumulation loop); ``microbatch="auto"`` picks the largest microbatch whose compiled
@@ -240,15 +241,22 @@ class OptimizedDDP(torch.nn.Module):
             )
         xs = inputs if isinstance(inputs, tuple) else (inputs,)
         per_process = self.mesh.shape[self.data_axis] // jax.process_count()
-        uneven = any(t.ndim and t.shape[0] % per_process for t in (*xs, targets))
+        # a batch the step cannot cut evenly (a DataLoader's short last batch: over the devices, the microbatches
+        # or the balancer's pieces) runs whole in a program of its own that splits it unevenly over the devices
+        cuts = per_process * (full["microbatch"] if isinstance(full["microbatch"], int) else 1)
+        pieces = full["balance"]["microbatches"] if full["balance"] is not None else None
+        uneven = any(
+            t.ndim and (t.shape[0] % cuts or (pieces and (t.shape[0] * jax.process_count()) % pieces))
+            for t in (*xs, targets)
+        )
         if full["state"] is None:
             self._build_full(full)
             if self.checkpoints is not None and self.checkpoints.latest_good_step() is not None:
                 self.restore_checkpoint()
         step = self._full_step(self.module.training)
-        if full["balance"] is not None:  # the global batch on the host: the balancer places each device's rows
+        if full["balance"] is not None and not uneven:  # the global batch on the host: the balancer places rows
             batch = (tuple(self._global_host(t) for t in xs), self._global_host(targets))
-        elif uneven and full["microbatch"] in (None, 1):  # a short last batch: placed whole, split unevenly inside
+        elif uneven:  # a short last batch: placed whole, split unevenly inside
             whole = NamedSharding(self.mesh, P())
             batch = jax.tree.map(lambda t: put_value(self._global_host(t), whole), (xs, targets))
             key = ("uneven", self.module.training)
