@@ -74,7 +74,13 @@ from openhosti_jax.checkpoint.flat import (
     unflatten_state,
 )
 from openhosti_jax.checkpoint.policy import SavePolicy
-from openhosti_jax.checkpoint.replicate import fetch_step, replica_fs, replica_reachable, replica_steps, replicate_step
+from openhosti_jax.checkpoint.replicate import (
+    fetch_step,
+    replica_reachable,
+    replica_steps,
+    replicate_step,
+    step_folders,
+)
 from openhosti_jax.data.protocol import check_json_state
 from openhosti_jax.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, ConfigError
 from openhosti_jax.mesh.barrier import gathered
@@ -516,34 +522,28 @@ class CheckpointManager:
         )
 
     def _nothing_to_restore(self) -> str:
-        where = [self.directory]
-        found = []
+        where, found = [self.directory], []
+        if not self.directory.exists():
+            found.append(f"{self.directory} does not exist")
+        else:
+            folders = sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit())
+            found.append(
+                f"{self.directory} has step folders {folders} but none has all its checksum records (saves that "
+                "never finished)"
+                if folders
+                else f"{self.directory} has no step folders"
+            )
         if self.replicate_to is not None:
-            fs, root = replica_fs(self.replicate_to)
             where.append(self.replicate_to)
-            if not fs.exists(root):
+            folders = step_folders(self.replicate_to)
+            if folders is None:
                 found.append(f"{self.replicate_to} does not exist")
             else:
-                folders = sorted(
-                    int(n.rstrip("/").rsplit("/", 1)[-1])
-                    for n in fs.ls(root, detail=False)
-                    if n.rstrip("/").rsplit("/", 1)[-1].isdigit()
-                )
                 found.append(
                     f"{self.replicate_to} has step folders {folders} but none is a complete copy"
                     if folders
                     else f"{self.replicate_to} has no step folders"
                 )
-        for root in where[:1]:
-            if not root.exists():
-                found.append(f"{root} does not exist")
-                continue
-            folders = sorted(int(p.name) for p in root.iterdir() if p.name.isdigit())
-            found.append(
-                f"{root} has step folders {folders} but none has all its checksum records (saves that never finished)"
-                if folders
-                else f"{root} has no step folders"
-            )
         return (
             f"expected a committed checkpoint in {' or '.join(str(r) for r in where)}, found no committed "
             "checkpoint: "

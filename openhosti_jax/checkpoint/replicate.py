@@ -59,13 +59,18 @@ def _names(fs: Any, path: str) -> list[str]:
     return [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)]
 
 
+def step_folders(dest: str | os.PathLike[str]) -> list[int] | None:
+    """The step folders under ``dest``, complete or not, ascending; None where ``dest`` does not exist."""
+    fs, root = replica_fs(dest)
+    if not fs.exists(root):
+        return None
+    return sorted(int(n) for n in _names(fs, root) if n.isdigit() and fs.isdir(f"{root}/{n}"))
+
+
 def replica_steps(dest: str | os.PathLike[str]) -> list[int]:
     """The complete steps under ``dest`` (every process's checksum record copied), ascending."""
     fs, root = replica_fs(dest)
-    if not fs.exists(root):
-        return []
-    steps = [n for n in _names(fs, root) if n.isdigit() and fs.isdir(f"{root}/{n}")]
-    return sorted(int(n) for n in steps if records_complete(_names(fs, f"{root}/{n}")))
+    return [s for s in step_folders(dest) or [] if records_complete(_names(fs, f"{root}/{s}"))]
 
 
 def replica_reachable(dest: str | os.PathLike[str]) -> None:
@@ -159,6 +164,6 @@ def prune(dest: str | os.PathLike[str], keep: int | None) -> None:
     if not complete:
         return
     drop = set(complete[:-keep] if keep else [])
-    drop |= {int(n) for n in _names(fs, root) if n.isdigit() and int(n) < complete[-1]} - set(complete)
+    drop |= {s for s in step_folders(dest) or [] if s < complete[-1]} - set(complete)
     for step in sorted(drop):
         fs.rm(f"{root}/{step}", recursive=True)
