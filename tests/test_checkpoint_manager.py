@@ -218,7 +218,8 @@ def test_a_machine_that_lost_its_local_disk_resumes_from_the_replica(tmp_path):
     shutil.rmtree(local)  # the machine was replaced: its local disk is empty
     fresh = TrainerCheckpoint(local, every_minutes=None, every_steps=2, keep=3, replicate_to=replica)
     # on start the newest complete replica step was fetched onto the empty local tier (not the half-copied 6)
-    assert fresh.manager.fetched_step == 4 and fresh.manager.good_steps() == [4] and fresh.newest_step() == 4
+    assert fresh.manager.fetched_step == 4 and fresh.manager.good_steps() == [4]
+    assert fresh.manager.latest_good_step() == 4
     restored = fresh.restore_latest(jax.tree.map(jnp.zeros_like, states[4]), None)
     assert fresh.resumed_from == 4
     np.testing.assert_array_equal(restored["w"], states[4]["w"])

@@ -78,23 +78,18 @@ class TrainerCheckpoint:
         self.resumed_meta = dict(meta or {})
         return restored
 
-    def newest_step(self) -> int | None:
-        """The newest good step in the local directory or the replica (a machine that lost its local disk still
-        resumes from the replica), or None."""
-        steps = self.manager.good_steps() + self.manager.replica_steps()
-        return max(steps) if steps else None
-
     def restore_latest(self, state: Any, data_iter: Any) -> Any:
-        """The newest good step, local or replicated, restored onto ``state``'s shardings (and the iterator moved),
-        else ``state``."""
-        if self.newest_step() is None:
+        """The latest good step restored onto ``state``'s shardings (and the iterator moved), else ``state``. With
+        ``replicate_to``, the manager has already brought a newer replica step onto the local tier when it started
+        (a machine that lost its local disk resumes from the replica)."""
+        if self.manager.latest_good_step() is None:
             return state
         return self._restore(state, data_iter)
 
     def roll_back(self, state: Any, data_iter: Any) -> Any | None:
         """Like `restore_latest` after waiting for saves in flight; None when there is no good step."""
         self.manager.wait()
-        if self.newest_step() is None:
+        if self.manager.latest_good_step() is None:
             return None
         return self._restore(state, data_iter)
 
