@@ -116,7 +116,7 @@ class _Call:
         self.diff_params = tuple(grad and p.requires_grad for p in params)
         self.diff_inputs = tuple(grad and t.requires_grad and t.is_floating_point() for t in leaves)
         self.needs_grad = any(self.diff_params) or any(self.diff_inputs)
-        first = next(iter(leaves), None) if leaves else (params[0] if params else None)
+        first = next(iter([*leaves, *params]), None)
         self.device = first.device if first is not None else torch.device("cpu")
         """Where outputs go: the first tensor argument's device (the module's, with no tensor argument)."""
 
