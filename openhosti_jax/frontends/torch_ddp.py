@@ -240,20 +240,12 @@ class OptimizedDDP(torch.nn.Module):
                 "drop-in mode call model(x), loss.backward() and optimizer.step() as with DDP"
             )
         xs = inputs if isinstance(inputs, tuple) else (inputs,)
-        per_process = self.mesh.shape[self.data_axis] // jax.process_count()
-        # a batch the step cannot cut evenly (a DataLoader's short last batch: over the devices, the microbatches
-        # or the balancer's pieces) runs whole in a program of its own that splits it unevenly over the devices
-        cuts = per_process * (full["microbatch"] if isinstance(full["microbatch"], int) else 1)
-        pieces = full["balance"]["microbatches"] if full["balance"] is not None else None
-        uneven = any(
-            t.ndim and (t.shape[0] % cuts or (pieces and (t.shape[0] * jax.process_count()) % pieces))
-            for t in (*xs, targets)
-        )
         if full["state"] is None:
             self._build_full(full)
             if self.checkpoints is not None and self.checkpoints.latest_good_step() is not None:
                 self.restore_checkpoint()
         step = self._full_step(self.module.training)
+        uneven = any(t.ndim and not self._cuts_evenly(step, t.shape[0]) for t in (*xs, targets))
         if full["balance"] is not None and not uneven:  # the global batch on the host: the balancer places rows
             batch = (tuple(self._global_host(t) for t in xs), self._global_host(targets))
         elif uneven:  # a short last batch: placed whole, split unevenly inside
@@ -377,6 +369,16 @@ class OptimizedDDP(torch.nn.Module):
                 "a balanced step needs the parameters replicated over the data axis; expected a plan of ZeRO stage "
                 "0-2, found that the planner chose ZeRO-3; pass plan='dp', 'zero1' or 'zero2'"
             )
+
+    def _cuts_evenly(self, step: SpmdStep | BalancedStep, rows: int) -> bool:
+        """Whether ``step`` cuts this process's ``rows`` evenly: over the devices, and over the microbatches (their
+        per-device size, which the first batch fixed; a first batch that ``microbatch=k`` does not divide is the
+        step's BatchError) or the balancer's pieces (over the global batch). A batch it does not cut (a
+        DataLoader's short last batch) runs in the uneven program."""
+        per_process = self.mesh.shape[self.data_axis] // jax.process_count()
+        if isinstance(step, BalancedStep):
+            return rows % per_process == 0 and (rows * jax.process_count()) % step.microbatches == 0
+        return rows % (per_process * (step.microbatch_rows or 1)) == 0
 
     def _full_step(self, training: bool) -> SpmdStep | BalancedStep:
         """The full mode's `SpmdStep` (with ``balance=True``: `BalancedStep`) for the module's mode (each traces the

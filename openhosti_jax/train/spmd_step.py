@@ -181,6 +181,12 @@ class SpmdStep:
         """Gradient-accumulation steps the step currently runs."""
         return self.plan.num_microbatches if self.plan is not None else 1
 
+    @property
+    def microbatch_rows(self) -> int | None:
+        """Rows per device in one microbatch once the first call chose it (later batches keep it and run
+        ``rows // microbatch_rows`` accumulation steps), None before."""
+        return None if self._retry is None else self._retry.size
+
     def _compiled_fn(self, state: Any, batch: Any, k: int | None = None) -> tuple[Callable, Any]:
         plan = self._resolve(state, batch)
         k = k or plan.num_microbatches
