@@ -165,17 +165,18 @@ pass ``seq_len=131072`` to plan for the long context; the shapes and FLOPs are r
 _INIT = nnx.initializers.normal(0.02)
 
 
-def _unnamed(rank: int, scanned: bool) -> dict[str, Any]:
-    """Variable metadata with ``rank`` unnamed dims when the block is stacked (``nnx.vmap`` prepends
-    ``"layers"``), else none."""
-    return {"out_sharding": (None,) * rank, "eager_sharding": False} if scanned else {}
+def _named(*names: str | None) -> dict[str, Any]:
+    """Variable metadata naming each dim logically (`openhosti_jax.sharding.rules`: ``"heads"``, ``"mlp"``,
+    ``"vocab"`` split over ``tensor``; a stacked block's ``nnx.vmap`` prepends ``"layers"``), applied by the
+    plan, not at init."""
+    return {"out_sharding": names, "eager_sharding": False}
 
 
 class RMSNorm(nnx.Module):
     """``weight * x / sqrt(mean(x**2) + eps)`` over the last axis, statistics in float32."""
 
-    def __init__(self, dim: int, eps: float, dtype: jnp.dtype, scanned: bool = False):
-        self.weight = nnx.Param(jnp.ones((dim,), jnp.float32), **_unnamed(1, scanned))
+    def __init__(self, dim: int, eps: float, dtype: jnp.dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), jnp.float32), **_named("norm"))
         self.eps = eps
         self.dtype = dtype
 
@@ -206,19 +207,24 @@ class Block(nnx.Module):
     """Pre-norm block: ``x + attn(norm(x))``, then ``x + down(silu(gate(h)) * up(h))`` with ``h = norm(x)``."""
 
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
-        d, dt, sc = cfg.d_model, jnp.dtype(cfg.dtype), cfg.scan_layers
+        d, dt = cfg.d_model, jnp.dtype(cfg.dtype)
         kv = cfg.n_kv_heads * cfg.head_dim
-        dense = {"use_bias": False, "dtype": dt, "kernel_init": _INIT, "kernel_metadata": _unnamed(2, sc), "rngs": rngs}
+
+        def dense(n_in: int, n_out: int, *names: str) -> nnx.Linear:
+            return nnx.Linear(
+                n_in, n_out, use_bias=False, dtype=dt, kernel_init=_INIT, kernel_metadata=_named(*names), rngs=rngs
+            )
+
         self.cfg = cfg
-        self.attn_norm = RMSNorm(d, cfg.norm_eps, dt, sc)
-        self.wq = nnx.Linear(d, d, **dense)
-        self.wk = nnx.Linear(d, kv, **dense)
-        self.wv = nnx.Linear(d, kv, **dense)
-        self.wo = nnx.Linear(d, d, **dense)
-        self.mlp_norm = RMSNorm(d, cfg.norm_eps, dt, sc)
-        self.gate = nnx.Linear(d, cfg.ffn, **dense)
-        self.up = nnx.Linear(d, cfg.ffn, **dense)
-        self.down = nnx.Linear(cfg.ffn, d, **dense)
+        self.attn_norm = RMSNorm(d, cfg.norm_eps, dt)
+        self.wq = dense(d, d, "embed", "heads")  # column-parallel: heads over tensor
+        self.wk = dense(d, kv, "embed", "kv_heads")
+        self.wv = dense(d, kv, "embed", "kv_heads")
+        self.wo = dense(d, d, "heads", "embed")  # row-parallel: one all-reduce per attention
+        self.mlp_norm = RMSNorm(d, cfg.norm_eps, dt)
+        self.gate = dense(d, cfg.ffn, "embed", "mlp")
+        self.up = dense(d, cfg.ffn, "embed", "mlp")
+        self.down = dense(cfg.ffn, d, "mlp", "embed")
 
     def attention(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
         """Causal grouped-query self-attention of normed ``x`` ``(batch, seq, d_model)``."""
@@ -263,7 +269,14 @@ class Llama(nnx.Module):
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
         dt = jnp.dtype(cfg.dtype)
         self.cfg = cfg
-        self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=dt, embedding_init=_INIT, rngs=rngs)
+        self.embed = nnx.Embed(
+            cfg.vocab_size,
+            cfg.d_model,
+            dtype=dt,
+            embedding_init=_INIT,
+            embedding_metadata=_named("vocab", "embed"),
+            rngs=rngs,
+        )
         if cfg.scan_layers:
             self.blocks: Block | nnx.List = stacked_blocks(cfg, rngs)
         else:
@@ -272,7 +285,15 @@ class Llama(nnx.Module):
         self.head = (
             None
             if cfg.tie_embeddings
-            else nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, dtype=dt, kernel_init=_INIT, rngs=rngs)
+            else nnx.Linear(
+                cfg.d_model,
+                cfg.vocab_size,
+                use_bias=False,
+                dtype=dt,
+                kernel_init=_INIT,
+                kernel_metadata=_named("embed", "vocab"),
+                rngs=rngs,
+            )
         )
 
     def __call__(self, tokens: jax.Array, rng: jax.Array | None = None) -> jax.Array:
