@@ -331,14 +331,14 @@ def _memory(lay: _Layout, acts: _Activations) -> _Memory:
     param_local = sum(lay.local_bytes(x, s) for x, s in zip(params, lay.p_specs, strict=True))
     opt_local = sum(lay.local_bytes(x, s) for x, s in zip(lay.opt, lay.o_specs, strict=True))
     grad_full = [lay.local_bytes(x, bs) for x, bs in zip(params, lay.base, strict=True)]
-    gathered = _zero3_gathered(lay, grad_full)
+    grads = _gradients(lay, grad_full)
     act = acts.kept * lay.b_local / lay.k
     if stages > 1:  # 1F1B: at most S microbatches in flight at the first stage, each holding that stage's share
         act = acts.kept * (lay.b_local / lay.k) * min(lay.k, stages)
     accumulator = sum(lay.local_bytes(x, s) for x, s in zip(params, lay.g_specs, strict=True)) if lay.k > 1 else 0.0
     batch = tree_bytes(lay.work.batch) / lay.dp
     state = (param_local + opt_local) / stages
-    reduction = _reduction_bytes(lay, sum(grad_full))
+    reduction = grads.stacked_out + grads.scattered + _reduction_bytes(lay, grads)
     # a compute dtype other than the parameters' makes a cast copy of the (local) parameters for the step
     mp = lay.mp
     cast = (
@@ -346,7 +346,8 @@ def _memory(lay: _Layout, acts: _Activations) -> _Memory:
     )
 
     def temporaries(act: float) -> float:  # the backward's peak above the state, per pipeline stage
-        return (max(act + gathered + max(grad_full, default=0), reduction) + accumulator + cast) / stages
+        peak = max(act + grads.start, act + grads.stacked_out + grads.loop, reduction)
+        return (peak + accumulator + cast) / stages
 
     temp = temporaries(act)
     over = state + batch + temp - (lay.profile.memory_bytes or math.inf)
@@ -358,25 +359,76 @@ def _memory(lay: _Layout, acts: _Activations) -> _Memory:
     )
 
 
-def _zero3_gathered(lay: _Layout, grad_full: list[int]) -> float:
-    """Bytes of the full copies ZeRO-3 gathers of its sharded leaves for their use (the local shard stays in the
-    arguments); a leaf stacked over a scanned "layers" axis is gathered a layer at a time, the next one prefetched."""
-    return sum(
-        g * (min(2 / x.shape[0], 1.0) if lay.stacked(names) else 1.0)
-        for g, ps, bs, x, names in zip(grad_full, lay.p_specs, lay.base, lay.params, lay.names, strict=True)
-        if spec_axes(ps) != spec_axes(bs)
-    )
+class _Gradients(NamedTuple):
+    """What the step holds of the gradients and ZeRO-3's gathered copies at each of its peaks.
+
+    A leaf stacked over a scanned ``"layers"`` axis is used a layer at a time: the backward's loop gathers its
+    layer (ZeRO-3, per use, the next leaf prefetched) and reduces its layer's gradient there (the loop's stacked
+    output cannot hold an unreduced sum), so its gradient output is held whole in its reduced layout for the whole
+    backward, and one layer's unreduced gradient leaf is in flight. Every other leaf is gathered for its use and
+    reduced after the backward by one combined collective; the backward starts on the largest of them (the output
+    head), its gathered copy and its gradient live together. Remat ``"none"`` keeps every residual, so the
+    gathered copies of every leaf and layer (the matmuls' operands, in the compute dtype) stay from the forward
+    to the backward."""
+
+    stacked_out: float
+    """The stacked leaves' gradient outputs in their reduced layout (ZeRO-2/3: sharded)."""
+    start: float
+    """At the backward's start, besides the activations: the largest unstacked leaf's gathered copy (ZeRO-3) and
+    its full gradient."""
+    loop: float
+    """In the layers' loop, besides the activations and ``stacked_out``: the gathered layer leaf and the next one,
+    and one layer's unreduced gradient leaf."""
+    combined: float
+    """The full gradients of the unstacked leaves that the combined reduction after the backward takes (a ZeRO-3
+    leaf's gradient is reduce-scattered where it is made instead: the transpose of its gather)."""
+    combined_out: float
+    """``combined`` in its reduced layout."""
+    scattered: float
+    """The reduce-scattered gradients of the unstacked ZeRO-3 leaves, held from the backward on."""
 
 
-def _reduction_bytes(lay: _Layout, grads_full: float) -> float:
-    """The gradient reduction's peak: one combined collective whose full input and output are both live. Two peaks
-    bound the temporaries: the backward's start (every residual, the gathered parameters and the first, largest
-    gradient leaf) and this one."""
+def _gradients(lay: _Layout, grad_full: list[int]) -> _Gradients:
+    stacked_out, flat, combined, combined_out, scattered = 0.0, [], 0.0, 0.0, 0.0
+    flat_gathered, layer_leaf, layer_gathered = 0.0, 0.0, 0.0
+    for g, x, ps, bs, gs, names in zip(
+        grad_full, lay.params, lay.p_specs, lay.base, lay.g_specs, lay.names, strict=True
+    ):
+        gathered = spec_axes(ps) != spec_axes(bs)  # ZeRO-3 shards it: gathered whole for its use
+        if lay.stacked(names):
+            stacked_out += lay.local_bytes(x, gs)
+            layer_leaf = max(layer_leaf, g / x.shape[0])
+            layer_gathered = max(layer_gathered, 2 * g / x.shape[0] if gathered else 0.0)
+            continue
+        flat.append(g)
+        flat_gathered = max(flat_gathered, g if gathered else 0.0)
+        if gathered:
+            scattered += lay.local_bytes(x, gs)
+        else:
+            combined += g
+            combined_out += lay.local_bytes(x, gs)
+    if lay.plan.remat == "none":  # every residual kept: the gathered weights stay from the forward to the backward
+        mp, cast = lay.mp, lay.mp.compute_dtype != lay.mp.param_dtype
+        flat_gathered = layer_gathered = 0.0
+        for g, ps, bs, names in zip(grad_full, lay.p_specs, lay.base, lay.names, strict=True):
+            if spec_axes(ps) == spec_axes(bs):
+                continue
+            if not lay.stacked(names):  # one gather serves the forward and the backward
+                flat_gathered += g
+            elif cast:  # a scanned layer's cast copy is a residual of the loop; uncast, it is gathered again
+                layer_gathered += g * mp.compute_dtype.itemsize / mp.param_dtype.itemsize
+    start = flat_gathered + max(flat, default=0)
+    return _Gradients(stacked_out, start, layer_gathered + layer_leaf, combined, combined_out, scattered)
+
+
+def _reduction_bytes(lay: _Layout, grads: _Gradients) -> float:
+    """The combined gradient reduction's peak: one collective whose full input and output are both live (a native
+    reduce-scatter's output is the sharded gradient)."""
     if lay.dp == 1:
-        return grads_full
-    if lay.plan.zero_stage >= 2 and lay.profile.native_reduce_scatter:  # + the scattered output
-        return grads_full + sum(lay.local_bytes(x, s) for x, s in zip(lay.params, lay.g_specs, strict=True))
-    return 2 * grads_full  # all-reduced (on CPU also under ZeRO-2/3: an all-reduce and a slice)
+        return grads.combined
+    if lay.plan.zero_stage >= 2 and lay.profile.native_reduce_scatter:
+        return grads.combined + grads.combined_out
+    return 2 * grads.combined  # all-reduced (on CPU also under ZeRO-2: an all-reduce and a slice)
 
 
 def _compiler_recompute(lay: _Layout, act: float, over: float) -> tuple[float, float]:

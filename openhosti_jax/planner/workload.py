@@ -110,7 +110,7 @@ class Workload:
         policies, from a trace under them; None when the model does not apply policies (its step never calls a
         library apply function), so only ``("none", "fp32")`` can run."""
         if (remat, precision) == ("none", "fp32"):
-            return PolicyActivations(self.activation_bytes_per_example, 1.0)
+            return PolicyActivations(self.activation_bytes_per_example, 1.0, 0.0, self.activation_bytes_per_example)
         key = ("policy", remat, precision)
         if key not in self._split_cache:
             self._split_cache[key] = self._trace_policies(remat, precision)
@@ -122,7 +122,7 @@ class Workload:
             if full is None or dots is None:
                 return None
             host = max(dots.bytes_per_example - full.bytes_per_example, 0.0)
-            return PolicyActivations(full.bytes_per_example, dots.flops_factor, host)
+            return PolicyActivations(full.bytes_per_example, dots.flops_factor, host, full.checkpointed_per_example)
         one = _resize(self.batch, 1)
         if self.step_fn is not None and self.state is not None:
             with active_policies(remat, precision) as used:
@@ -138,16 +138,16 @@ class Workload:
             traced = jax.make_jaxpr(_forward_vjp(self.apply_fn, self.model_state))(unbox(self.params), one)
         if not used.applied:
             return None
-        n_params = len(jax.tree.leaves(unbox(self.params)))
-        outputs = tuple(v for v in traced.jaxpr.outvars[: len(self.outputs)] if not isinstance(v, Literal))
-        saved = sum(leaf_bytes(v) for v in _saved(_per_example_residuals(traced.jaxpr, n_params), outputs))
+        n_params, n_out = len(jax.tree.leaves(unbox(self.params))), len(self.outputs)
+        outputs = tuple(v for v in traced.jaxpr.outvars[:n_out] if not isinstance(v, Literal))
+        saved = sum(leaf_bytes(v) for v in _saved(_per_example_residuals(traced.jaxpr, n_params, n_out), outputs))
         with active_policies(remat, precision):  # the forward alone still shows the checkpointed calls
             forward = jax.make_jaxpr(lambda p, x: self.apply_fn(p, x, model_state=self.model_state))(
                 unbox(self.params), one
             )
         blocks = remat_blocks(forward.jaxpr)
         if remat == "none":
-            return PolicyActivations(saved, 1.0)
+            return PolicyActivations(saved, 1.0, 0.0, saved)
         kept = self.policy_activations("none", precision)  # every residual, in this precision
         # during the backward one block at a time recomputes its residuals (all of them for a whole-model remat)
         recompute = max((kept.bytes_per_example if kept else saved) - saved, 0.0) / max(blocks, 1)
@@ -155,7 +155,7 @@ class Workload:
         if remat == "selective":  # and the projections whose outputs the blocks do not keep, run again
             total = count_flops(forward.jaxpr, matmul_only=True)
             factor += _unkept_projection_flops(forward.jaxpr) / (3 * total) if total else 0.0
-        return PolicyActivations(saved + recompute, factor)
+        return PolicyActivations(saved + recompute, factor, 0.0, saved)
 
     def gemm_sizes(self, batched: bool | None = None) -> tuple[tuple[float, float], ...]:
         """``(M N K of one call at batch size 1, its share of the matmul FLOPs)`` for every matmul of the traced step,
@@ -242,6 +242,9 @@ class PolicyActivations(NamedTuple):
     """Step FLOPs over the FLOPs without remat (recomputation)."""
     host_bytes_per_example: float = 0.0
     """Activation bytes per example moved to host memory and back (remat ``"offload"``)."""
+    checkpointed_per_example: float | None = None
+    """Of ``bytes_per_example``, what the policy keeps through the whole backward (the checkpointed values and the
+    loss's), without the block being recomputed; None where the trace does not separate them (a user's step)."""
 
 
 class AttentionWork(NamedTuple):
@@ -391,8 +394,10 @@ def _resize(batch: Any, n: int) -> Any:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct((n, *x.shape[1:]), x.dtype) if x.ndim else x, batch)
 
 
-def _per_example_residuals(jaxpr: Any, n_params: int) -> tuple[Any, ...]:
-    """Saved values that depend on the batch and that XLA materialises (not recomputed inside a fusion)."""
+def _per_example_residuals(jaxpr: Any, n_params: int, n_outputs: int) -> tuple[Any, ...]:
+    """Saved values that depend on the batch and that XLA materialises (not recomputed inside a fusion), from a
+    trace of ``(outputs, vjp residuals)``: the first ``n_outputs`` out-values are the model's outputs, which
+    `_saved` counts, so they are not residuals too."""
     producer = {v: e for e in jaxpr.eqns for v in e.outvars}
     depends = set(jaxpr.invars[n_params:])
     for eqn in jaxpr.eqns:
@@ -401,8 +406,9 @@ def _per_example_residuals(jaxpr: Any, n_params: int) -> tuple[Any, ...]:
     outs = {v for v in jaxpr.outvars if not isinstance(v, Literal)}
     available = outs | set(jaxpr.invars)
     kept = []
-    for v in dict.fromkeys(v for v in jaxpr.outvars if not isinstance(v, Literal)):
-        if v in jaxpr.invars or v not in depends:
+    outputs = set(jaxpr.outvars[:n_outputs])
+    for v in dict.fromkeys(v for v in jaxpr.outvars[n_outputs:] if not isinstance(v, Literal)):
+        if v in jaxpr.invars or v in outputs or v not in depends:
             continue
         eqn = producer.get(v)
         fusible = (
@@ -447,8 +453,9 @@ def measure(params: Any, model_state: Any, apply_fn: ApplyFn | None, batch: Any)
 
     one, shapes = jax.make_jaxpr(_forward_vjp(apply_fn, model_state), return_shape=True)(plain, _resize(batch, 1))
     n_params = len(jax.tree.leaves(plain))
-    residuals = _per_example_residuals(one.jaxpr, n_params)
-    outputs = tuple(v for v in one.jaxpr.outvars[: len(jax.tree.leaves(shapes[0]))] if not isinstance(v, Literal))
+    n_out = len(jax.tree.leaves(shapes[0]))
+    residuals = _per_example_residuals(one.jaxpr, n_params, n_out)
+    outputs = tuple(v for v in one.jaxpr.outvars[:n_out] if not isinstance(v, Literal))
     first = one.out_avals[0]
     tokens = math.prod(first.shape[1:-1]) if first.ndim >= 3 else 1
     flops = 3.0 * count_flops(one.jaxpr, matmul_only=True)
