@@ -7,7 +7,8 @@ Example:
 """
 
 from openhosti_jax.pipeline.costs import LayerCost, layer_costs, split_modules
-from openhosti_jax.pipeline.executor import Packing, make_pipeline_step, pipeline_value_and_grad
+from openhosti_jax.pipeline.executor import make_pipeline_step, pipeline_value_and_grad
+from openhosti_jax.pipeline.packing import Packing
 from openhosti_jax.pipeline.partitioner import (
     StageCostModel,
     StagePartition,

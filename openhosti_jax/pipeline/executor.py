@@ -6,7 +6,10 @@ flattened into one row of a padded ``(V, S, N)`` buffer sharded over ``stage`` (
 `TickTable` and picks its chunk's forward or backward body with `lax.switch` on the table entry, so one SPMD
 program runs different code per stage. Backward recomputes the chunk's forward from its stored input (only
 stage inputs stay in flight). The batch is split over the ``data`` and ``fsdp`` axes; gradients are averaged
-over them once, after the schedule.
+over them once, after the schedule. A ``tensor`` axis is left to XLA inside the stages: each chunk's row holds
+every tensor rank's blocks of its weights (`openhosti_jax.pipeline.packing`), so each stage's layers run
+tensor-parallel (sequence-parallel too where asked) with collectives among that stage's devices only
+(`openhosti_jax.pipeline.tensor`).
 
 Example:
     >>> import jax, jax.numpy as jnp
@@ -40,8 +43,10 @@ from jax.sharding import PartitionSpec as P
 from openhosti_jax.errors import BatchError, PipelineError
 from openhosti_jax.mesh import BATCH_AXES, mesh_sizes
 from openhosti_jax.pipeline.costs import Layer
+from openhosti_jax.pipeline.packing import Packing
 from openhosti_jax.pipeline.partitioner import StagePartition
 from openhosti_jax.pipeline.schedule import Schedule
+from openhosti_jax.pipeline.tensor import TENSOR, stage_tensor, whole_along
 from openhosti_jax.pipeline.ticks import BACKWARD, FORWARD, tick_table
 from openhosti_jax.state.contracts import MeanLossFn
 
@@ -66,58 +71,6 @@ def _check(layers: Sequence[Layer], mesh: Mesh, partition: StagePartition, sched
         raise PipelineError("pipeline request does not fit: " + "; ".join(problems))
 
 
-class Packing:
-    """How the chunks' parameters map to rows of the padded ``(V, S, N)`` buffer: chunk ``c`` flattened into row
-    ``(c // S, c % S)``, zero-padded to the widest chunk (rounded up to a multiple of ``align``, so an ``fsdp``
-    axis of that size divides it), in one dtype (the parameters' common one)."""
-
-    def __init__(self, params: Sequence[Any], partition: StagePartition, schedule: Schedule, align: int = 1):
-        self.stages = partition.stages
-        self.num_stages, self.num_virtual = schedule.num_stages, schedule.num_virtual
-        chunks = [tuple(params[i] for i in r) for r in self.stages]
-        zeros = [jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), jnp.result_type(x)), c) for c in chunks]
-        flats, self.unravels = zip(*(ravel_pytree(c) for c in zeros), strict=True)
-        self.dtypes = [f.dtype for f in flats]
-        self.widths = [f.size for f in flats]
-        self.width = -(-max(max(self.widths), 1) // align) * align
-        self.dtype = jnp.result_type(*[f.dtype for f in flats if f.size] or [jnp.float32])
-        self.num_layers = len(params)
-
-    def _key(self) -> tuple:
-        stages = tuple((r.start, r.stop) for r in self.stages)
-        return (stages, self.num_virtual, self.width, str(self.dtype), tuple(map(str, self.dtypes)), tuple(self.widths))
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Packing) and self._key() == other._key()
-
-    def __hash__(self) -> int:
-        return hash(self._key())
-
-    @property
-    def shape(self) -> tuple[int, int, int]:
-        """``(V, S, N)``."""
-        return (self.num_virtual, self.num_stages, self.width)
-
-    def pack(self, params: Sequence[Any]) -> jax.Array:
-        """The ``(V, S, N)`` buffer holding ``params`` (one pytree per layer)."""
-        rows = []
-        for r in self.stages:
-            flat = ravel_pytree(tuple(params[i] for i in r))[0].astype(self.dtype)
-            rows.append(jnp.pad(flat, (0, self.width - flat.size)))
-        s = self.num_stages
-        return jnp.stack([jnp.stack(rows[v * s : (v + 1) * s]) for v in range(self.num_virtual)])
-
-    def unpack(self, packed: jax.Array) -> list[Any]:
-        """The per-layer pytrees held in a ``(V, S, N)`` buffer (`pack`'s inverse)."""
-        out: list[Any] = [None] * self.num_layers
-        s = self.num_stages
-        for c, r in enumerate(self.stages):
-            chunk = self.unravels[c](packed[c // s, c % s, : self.widths[c]].astype(self.dtypes[c]))
-            for li, leaf in zip(r, chunk, strict=True):
-                out[li] = leaf
-        return out
-
-
 def pipelined_loss_and_grads(
     layers: Sequence[Layer],
     mean_loss_fn: MeanLossFn,
@@ -126,19 +79,48 @@ def pipelined_loss_and_grads(
     schedule: Schedule,
     packing: Packing,
     layer_shapes: Sequence[Any],
+    *,
+    sequence_parallel: bool = False,
 ) -> Callable[[jax.Array, Batch], tuple[jax.Array, jax.Array]]:
     """``run(packed, (inputs, targets)) -> (loss, packed gradient)``, traceable (the callers jit it): the schedule
     over ``mesh`` on a ``(V, S, N)`` buffer laid out by ``packing``; ``layer_shapes`` are the layers' abstract
-    parameters (for the activation shapes between chunks)."""
+    parameters (for the activation shapes between chunks).
+
+    The ``stage`` and batch axes are manual (`jax.shard_map`); a ``tensor`` axis is left to XLA, which partitions
+    each stage's layers by the leaves' tensor splits `Packing.chunk_params` places. ``sequence_parallel``: the
+    activations between layers (``(batch, sequence, ...)`` leaves) are split over ``tensor`` along the sequence."""
     _check(layers, mesh, partition, schedule)
     sizes = mesh_sizes(mesh)
+    tensor = sizes.get(TENSOR, 1)
+    if packing.tensor != tensor:
+        raise PipelineError(
+            f"the parameters are packed for a tensor axis of {packing.tensor} but the mesh's is {tensor}; make the "
+            "state (or packing) on this mesh"
+        )
+    split = tensor > 1
+    manual = frozenset(a for a in mesh.axis_names if not (split and a == TENSOR))
     s, m_count, n_chunks = schedule.num_stages, schedule.num_microbatches, schedule.num_chunks
     batch_axes = tuple(a for a in BATCH_AXES if a in sizes)
     replicas = int(np.prod([sizes[a] for a in batch_axes]))
     ticks = tick_table(schedule)
     table = jnp.asarray(ticks.table)
     chunk_layers = [[layers[i] for i in r] for r in partition.stages]
-    unravels, widths, n_max, p_dtype = packing.unravels, packing.widths, packing.width, packing.dtype
+    n_max, p_dtype = packing.width, packing.dtype
+
+    def between_layers(h: Any) -> Any:
+        """A carry between layers, split along the sequence over ``tensor`` where asked and possible."""
+        if not (split and sequence_parallel):
+            return h
+        seq = lambda x: x.ndim >= 3 and x.shape[1] % tensor == 0  # noqa: E731
+        return jax.tree.map(lambda x: lax.with_sharding_constraint(x, P(None, TENSOR)) if seq(x) else x, h)
+
+    def whole(x: jax.Array) -> jax.Array:
+        return lax.with_sharding_constraint(x, P()) if split else x
+
+    def for_loss(out: Any) -> Any:
+        """The model's outputs whole over ``tensor`` but for their last dim (a vocabulary the head splits stays
+        split): the loss may shift or cut them anywhere (`openhosti_jax.pipeline.tensor`)."""
+        return jax.tree.map(lambda x: whole_along(x, range(x.ndim - 1)), out) if split else out
 
     def run(packed: jax.Array, batch: Batch) -> tuple[jax.Array, jax.Array]:
         inputs, targets = batch
@@ -164,14 +146,15 @@ def pipelined_loss_and_grads(
         a_dtype = jnp.result_type(*[p[0].dtype for p in packers] or [jnp.float32])
 
         def fwd(c: int, row: jax.Array, a_in: jax.Array, x: Any, y: Any) -> tuple[jax.Array, jax.Array]:
-            p = unravels[c](row[: widths[c]].astype(packing.dtypes[c]))
-            h = x if c == 0 else packers[c - 1][1](a_in[: packers[c - 1][0].size])
-            for layer, lp in zip(chunk_layers[c], p, strict=True):
-                h = layer(lp, h)
+            p = packing.chunk_params(c, row, constrain=split)
+            h = x if c == 0 else between_layers(packers[c - 1][1](whole(a_in)[: packers[c - 1][0].size]))
+            with stage_tensor(tensor):
+                for layer, lp in zip(chunk_layers[c], p, strict=True):
+                    h = between_layers(layer(lp, h))
             if c == n_chunks - 1:
-                return jnp.zeros(a_max, a_dtype), mean_loss_fn(h, y).astype(jnp.float32)
+                return jnp.zeros(a_max, a_dtype), mean_loss_fn(for_loss(h), y).astype(jnp.float32)
             flat = ravel_pytree(h)[0].astype(a_dtype)
-            return jnp.pad(flat, (0, a_max - flat.size)), jnp.zeros((), jnp.float32)
+            return whole(jnp.pad(flat, (0, a_max - flat.size))), jnp.zeros((), jnp.float32)
 
         def forward_branch(c: int, prow, a_in, g_in, x, y):
             out, loss = fwd(c, prow[c // s], a_in, x, y)
@@ -233,6 +216,7 @@ def pipelined_loss_and_grads(
             mesh=mesh,
             in_specs=(P(None, "stage", None), spec_batch, spec_batch),
             out_specs=(P(), P(None, "stage", None)),
+            axis_names=manual,
             check_vma=False,
         )(packed, inputs, targets)
 
@@ -245,19 +229,24 @@ def make_pipeline_step(
     mesh: Mesh,
     partition: StagePartition,
     schedule: Schedule,
+    *,
+    tensor_specs: Sequence[Any] | None = None,
 ) -> Callable[[Sequence[Any], Batch], tuple[jax.Array, list[Any]]]:
     """A jitted ``step(params, (inputs, targets)) -> (loss, grads)`` running ``schedule`` over ``mesh``.
 
     ``params[i]`` is layer ``i``'s pytree; ``mean_loss_fn(outputs, targets)`` is a mean over examples; the loss and
     the gradients equal those of ``mean_loss_fn(model(inputs), targets)`` on the whole batch. The parameters enter
     whole and are packed per step: `openhosti_jax.pipeline.state` keeps them packed and stage-local instead.
+    ``tensor_specs`` (per layer, a `PartitionSpec` per parameter leaf): the dims split over a ``tensor`` axis of
+    ``mesh`` (`Packing`); leaves without one are stored split and gathered whole where they are used.
     """
     _check(layers, mesh, partition, schedule)
+    tensor = mesh_sizes(mesh).get(TENSOR, 1)
 
     @jax.jit
     def step(params: Sequence[Any], batch: Batch) -> tuple[jax.Array, list[Any]]:
         params = list(params)
-        packing = Packing(params, partition, schedule)
+        packing = Packing(params, partition, schedule, tensor=tensor, tensor_specs=tensor_specs)
         shapes = [jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), p) for p in params]
         run = pipelined_loss_and_grads(layers, mean_loss_fn, mesh, partition, schedule, packing, shapes)
         loss, g_packed = run(packing.pack(params), batch)

@@ -29,8 +29,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.extend.core import Literal
+from jax.sharding import PartitionSpec as P
 
 from openhosti_jax.errors import PipelineError
+from openhosti_jax.pipeline.tensor import active_size, unaligned_dims, whole_along
 from openhosti_jax.state.blocks import BLOCK_NAME, marked_call
 from openhosti_jax.state.context import active_policies, marking_blocks
 from openhosti_jax.state.model import model_parts
@@ -64,15 +66,30 @@ class LayerSequence:
 
     def split(self, model_params: Any) -> list[tuple[Any, ...]]:
         """Per-layer leaves of the model's parameters (real or abstract), as `params` lays them out."""
-        leaves = [
+        return self.split_flat(jax.tree.leaves(model_params), _slice)
+
+    def split_flat(self, values: Sequence[Any], piece: Callable[[Any, int], Any]) -> list[tuple[Any, ...]]:
+        """Per-layer values (as `params` lays the leaves out) from one value per model leaf, in `jax.tree.leaves`
+        order; ``piece(value, j)`` is slice ``j``'s of a leaf stacked over the layer scan."""
+        if len(values) != len(self.stacks):
+            raise PipelineError(
+                f"expected one value per model parameter leaf ({len(self.stacks)}), found {len(values)}; give "
+                "them for this model's parameters"
+            )
+        flat = [
             y
-            for x, n in zip(jax.tree.leaves(model_params), self.stacks, strict=True)
-            for y in ([x] if n == 0 else [_slice(x, j) for j in range(n)])
+            for x, n in zip(values, self.stacks, strict=True)
+            for y in ([x] if n == 0 else map(piece, [x] * n, range(n)))
         ]
         out: list[list[Any]] = [[None] * len(p) for p in self.params]
-        for leaf, (layer, i) in zip(leaves, self.owners, strict=True):
-            out[layer][i] = leaf
+        for value, (layer, i) in zip(flat, self.owners, strict=True):
+            out[layer][i] = value
         return [tuple(x) for x in out]
+
+    def split_specs(self, specs: Sequence[P]) -> list[tuple[P, ...]]:
+        """Per-layer `PartitionSpec` s from one per model leaf (`split_flat`): each slice of a stacked leaf takes
+        the leaf's spec less its first (stacked) dim."""
+        return self.split_flat(specs, lambda spec, _: P(*spec[1:]))
 
     def merge(self, layer_params: Sequence[Sequence[Any]]) -> Any:
         """The model's parameter tree from per-layer leaves (parameters or gradients)."""
@@ -118,8 +135,23 @@ def _bind(eqn: Any, args: Sequence[Any]) -> list[Any]:
 
 
 def _evaluate(eqns: Sequence[Any], env: dict) -> None:
+    """Bind ``eqns`` on the values in ``env``; inside a tensor-parallel stage (`tensor.stage_tensor`) nested calls
+    run inline, so each ``split`` and ``slice`` in them gets its operand gathered where it must
+    (`tensor.unaligned_dims`)."""
+    t = active_size()
     for eqn in eqns:
-        out = _bind(eqn, [v.val if isinstance(v, Literal) else env[v] for v in eqn.invars])
+        args = [v.val if isinstance(v, Literal) else env[v] for v in eqn.invars]
+        if t > 1 and eqn.primitive.name in ("pjit", "jit"):
+            inner = eqn.params["jaxpr"]
+            sub = dict(zip(inner.jaxpr.constvars, inner.consts, strict=True))
+            sub.update(zip(inner.jaxpr.invars, args, strict=True))
+            _evaluate(inner.jaxpr.eqns, sub)
+            out = [v.val if isinstance(v, Literal) else sub[v] for v in inner.jaxpr.outvars]
+        elif t > 1 and unaligned_dims(eqn, t):  # cut whole, and the parts stay whole until they are used
+            dims = unaligned_dims(eqn, t)
+            out = [whole_along(x, dims) for x in _bind(eqn, [whole_along(args[0], dims), *args[1:]])]
+        else:
+            out = _bind(eqn, args)
         env.update(zip(eqn.outvars, out, strict=True))
 
 

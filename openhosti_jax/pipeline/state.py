@@ -1,11 +1,13 @@
 """Stage-local pipeline training: each stage's devices hold only their layers' parameters, gradients and optimizer
 state, and a step runs the schedule and the optimizer in one jitted program.
 
-The parameters live packed, as the executor runs them (`openhosti_jax.pipeline.executor.Packing`): a ``(V, S, N)``
+The parameters live packed, as the executor runs them (`openhosti_jax.pipeline.packing.Packing`): a ``(V, S, N)``
 buffer whose row ``(v, d)`` holds chunk ``v * S + d``, sharded over the mesh's ``stage`` axis, so a device keeps
-``1/S`` of the parameters and, since an elementwise optimizer's state mirrors them, ``1/S`` of its moments. With
-``zero_stage`` >= 1 the optimizer state is further sharded over ``fsdp`` inside a stage (and the parameters too at
-stage 3); the gradient stays stage-sharded. The model's first layers (an embedding) sit on the first stage and its
+``1/S`` of the parameters and, since an elementwise optimizer's state mirrors them, ``1/S`` of its moments. Over a
+``tensor`` axis of size ``T`` each row is ``T`` slots, one per tensor rank, and every leaf of the state ``1/T`` again
+(each rank its Megatron block of a tensor-split weight). With ``zero_stage`` >= 1 the optimizer state is further
+sharded over ``fsdp`` inside a stage (and the parameters too at stage 3); the gradient stays stage- (and
+tensor-) sharded. The model's first layers (an embedding) sit on the first stage and its
 last (the head) on the last: nothing is shared between stages.
 
 `unpack_state` gives the per-layer parameters and the optimizer state ``tx.init`` would make for them, to train
@@ -41,9 +43,11 @@ from jax.sharding import PartitionSpec as P
 from openhosti_jax.errors import PipelineError
 from openhosti_jax.mesh import mesh_sizes
 from openhosti_jax.pipeline.costs import Layer
-from openhosti_jax.pipeline.executor import Batch, Packing, pipelined_loss_and_grads
+from openhosti_jax.pipeline.executor import Batch, pipelined_loss_and_grads
+from openhosti_jax.pipeline.packing import Packing
 from openhosti_jax.pipeline.partitioner import StagePartition
 from openhosti_jax.pipeline.schedule import Schedule
+from openhosti_jax.pipeline.tensor import TENSOR
 from openhosti_jax.state.contracts import MeanLossFn
 from openhosti_jax.state.guard import all_finite
 
@@ -72,13 +76,23 @@ class PipelineState(struct.PyTreeNode):
     remat: str = struct.field(pytree_node=False, default="none")
     """The remat policy each layer runs under inside its chunk's recompute (the executor already recomputes a
     chunk's forward from its stored input; this frees each layer's residuals during it)."""
+    sequence_parallel: bool = struct.field(pytree_node=False, default=False)
+    """With a ``tensor`` axis: the activations between layers are split over it along the sequence."""
 
 
-def _specs(state_like: Any, zero_stage: int, fsdp: int) -> tuple[P, Any]:
-    """(parameter spec, optimizer-state specs): packed leaves over ``stage`` (and ``fsdp`` per the ZeRO stage)."""
-    inner = "fsdp" if fsdp > 1 else None
-    param_spec = P(None, "stage", inner if zero_stage >= 3 else None)
-    packed = P(None, "stage", inner if zero_stage >= 1 else None)
+def _row_spec(tensor: bool, fsdp: bool) -> P:
+    """The spec of a packed buffer: rows over ``stage``, each row's slots over ``tensor``, each slot over
+    ``fsdp`` (ZeRO inside a stage)."""
+    inner = tuple(a for a, on in ((TENSOR, tensor), ("fsdp", fsdp)) if on)
+    return P(None, "stage", inner if len(inner) > 1 else inner[0] if inner else None)
+
+
+def _specs(state_like: Any, zero_stage: int, sizes: dict[str, int]) -> tuple[P, Any]:
+    """(parameter spec, optimizer-state specs): packed leaves over ``stage`` and ``tensor`` (and ``fsdp`` per the
+    ZeRO stage)."""
+    tensor, fsdp = sizes.get(TENSOR, 1) > 1, sizes.get("fsdp", 1) > 1
+    param_spec = _row_spec(tensor, fsdp and zero_stage >= 3)
+    packed = _row_spec(tensor, fsdp and zero_stage >= 1)
     shape = state_like.params.shape
     opt_specs = jax.tree.map(lambda x: packed if jnp.shape(x) == shape else P(), state_like.opt_state)
     return param_spec, opt_specs
@@ -86,7 +100,7 @@ def _specs(state_like: Any, zero_stage: int, fsdp: int) -> tuple[P, Any]:
 
 def state_shardings(state: PipelineState, mesh: Mesh) -> PipelineState:
     """The `NamedSharding` of every leaf of ``state`` on ``mesh``."""
-    param_spec, opt_specs = _specs(state, state.zero_stage, mesh_sizes(mesh).get("fsdp", 1))
+    param_spec, opt_specs = _specs(state, state.zero_stage, mesh_sizes(mesh))
     named = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
     return state.replace(
         step=named(P()),
@@ -103,8 +117,11 @@ def init_pipeline_state(
     schedule: Schedule,
     *,
     zero_stage: int = 0,
+    tensor_specs: Sequence[Any] | None = None,
 ) -> PipelineState:
-    """The `PipelineState` of per-layer ``params`` and ``tx``, placed stage-local on ``mesh``."""
+    """The `PipelineState` of per-layer ``params`` and ``tx``, placed stage-local on ``mesh``. With a ``tensor``
+    axis, ``tensor_specs`` (per layer, a `PartitionSpec` per parameter leaf, e.g. from
+    `openhosti_jax.sharding.tensor.base_specs`) say which dim of each leaf is split over it (`Packing`)."""
     if zero_stage not in (0, 1, 2, 3):
         raise PipelineError(f"zero_stage must be 0-3 (ZeRO inside a stage), found {zero_stage!r}")
     if partition.num_layers != len(params):
@@ -112,8 +129,10 @@ def init_pipeline_state(
             f"the partition cuts {partition.num_layers} layers but {len(params)} layer parameter trees were given; "
             "partition the same layer list"
         )
-    fsdp = mesh_sizes(mesh).get("fsdp", 1)
-    packing = Packing(params, partition, schedule, align=fsdp)
+    sizes = mesh_sizes(mesh)
+    packing = Packing(
+        params, partition, schedule, align=sizes.get("fsdp", 1), tensor=sizes.get(TENSOR, 1), tensor_specs=tensor_specs
+    )
     shapes = tuple(jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), p) for p in params)
 
     def build(params: Sequence[Any]) -> PipelineState:
@@ -137,11 +156,21 @@ def make_pipeline_train_step(
 ) -> Callable[[PipelineState, Batch], tuple[PipelineState, dict[str, jax.Array]]]:
     """A jitted ``step(state, (inputs, targets)) -> (state, {"loss", "grad_norm"})``: the schedule's loss and
     packed gradient, then ``state.tx`` on the packed parameters, everything kept stage-local (``state`` gives the
-    layout and shardings). With ``guard`` a step whose loss or gradient is not finite leaves the state as it was
-    (`openhosti_jax.state.guard`; the metrics add ``skipped_nonfinite``)."""
-    run = pipelined_loss_and_grads(layers, mean_loss_fn, mesh, partition, schedule, state.packing, state.layer_shapes)
+    layout and shardings; over a ``tensor`` axis each stage's layers run tensor-parallel, sequence-parallel too
+    where ``state.sequence_parallel``). With ``guard`` a step whose loss or gradient is not finite leaves the state
+    as it was (`openhosti_jax.state.guard`; the metrics add ``skipped_nonfinite``)."""
+    run = pipelined_loss_and_grads(
+        layers,
+        mean_loss_fn,
+        mesh,
+        partition,
+        schedule,
+        state.packing,
+        state.layer_shapes,
+        sequence_parallel=state.sequence_parallel,
+    )
     shardings = state_shardings(state, mesh)
-    grad_sharding = NamedSharding(mesh, P(None, "stage", None))
+    grad_sharding = NamedSharding(mesh, _row_spec(mesh_sizes(mesh).get(TENSOR, 1) > 1, False))
 
     def update(state: PipelineState, grads: Any) -> PipelineState:
         updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
@@ -185,12 +214,15 @@ def pack_state(
     *,
     zero_stage: int = 0,
     step: int | jax.Array = 0,
+    tensor_specs: Sequence[Any] | None = None,
 ) -> PipelineState:
     """A `PipelineState` holding per-layer ``params`` and their (unpipelined) ``opt_state`` (`unpack_state`'s
-    inverse), placed stage-local on ``mesh``.
+    inverse), placed stage-local on ``mesh`` (``tensor_specs`` as `init_pipeline_state` takes them).
 
     Raises `PipelineError` when the layer count or the optimizer state's structure does not match."""
-    template = init_pipeline_state(params, tx, mesh, partition, schedule, zero_stage=zero_stage)
+    template = init_pipeline_state(
+        params, tx, mesh, partition, schedule, zero_stage=zero_stage, tensor_specs=tensor_specs
+    )
     expected = jax.tree.structure(tx.init(list(params)))
     if jax.tree.structure(opt_state) != expected:
         raise PipelineError(

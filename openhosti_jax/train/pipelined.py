@@ -4,9 +4,11 @@ names it), and `Trainer.fit` and `TrainerCheckpoint` run and save that state lik
 
 The model's layer sequence is found in it (`openhosti_jax.pipeline.split_layers`), cut into the plan's stages by
 the exact partitioner (or at the plan's ``stage_boundaries``), and run on the plan's schedule with
-``num_microbatches`` microbatches. `to_model_state` gives the model's own parameter tree and the optimizer
-state ``tx.init`` makes for it, to continue without a pipeline (or save such a checkpoint); `from_model_state`
-takes them back.
+``num_microbatches`` microbatches. On a mesh with a ``tensor`` axis each stage's layers are split over it by the
+tensor-parallel specs the unpipelined path uses (the plan's parameter specs, else
+`openhosti_jax.sharding.tensor.base_specs`), sequence-parallel where the plan says so. `to_model_state` gives the
+model's own parameter tree and the optimizer state ``tx.init`` makes for it, to continue without a pipeline (or
+save such a checkpoint); `from_model_state` takes them back.
 
 Example:
     >>> import jax, jax.numpy as jnp, optax
@@ -28,20 +30,26 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
 from openhosti_jax.errors import PipelineError
+from openhosti_jax.mesh import mesh_sizes
 from openhosti_jax.pipeline.costs import layer_costs
 from openhosti_jax.pipeline.executor import Batch
 from openhosti_jax.pipeline.partitioner import StagePartition, evaluate_partition, partition
 from openhosti_jax.pipeline.schedule import make_schedule
-from openhosti_jax.pipeline.split import split_layers
+from openhosti_jax.pipeline.split import LayerSequence, split_layers
 from openhosti_jax.pipeline.state import PipelineState, init_pipeline_state, make_pipeline_train_step, pack_state
 from openhosti_jax.pipeline.state import unpack_state as unpack_pipeline_state
+from openhosti_jax.pipeline.tensor import tensor_dim
+from openhosti_jax.planner.propagate import propagate
 from openhosti_jax.policies.precision import precision as resolve_precision
 from openhosti_jax.policies.remat import checkpoint
 from openhosti_jax.sharding.plan import ShardingPlan
+from openhosti_jax.sharding.specs import is_spec
+from openhosti_jax.sharding.tensor import base_specs
 from openhosti_jax.state.contracts import MeanLossFn
 from openhosti_jax.state.model import model_parts
 
@@ -62,6 +70,40 @@ def _stage_cut(plan: ShardingPlan, layers: Any, layer_params: Any, sample: Any, 
             "after them); use at most that many stages"
         )
     return partition(layer_costs(layers, layer_params, sample), chunks, plan.num_microbatches)
+
+
+def _layer_tensor_specs(plan: ShardingPlan, seq: LayerSequence, params: Any, sizes: dict[str, int]) -> list:
+    """Each layer's parameter specs inside a stage: the plan's, where it has one per parameter leaf (the planner's
+    plans do), else the tensor-parallel specs the unpipelined path gives the model (`base_specs`: logical names,
+    then recognised attention / MLP / embedding modules)."""
+    n = len(jax.tree.leaves(params))
+    given = jax.tree.leaves(plan.param_specs, is_leaf=is_spec)
+    flat = given if len(given) == n and all(is_spec(x) for x in given) else base_specs(params, sizes)
+    return seq.split_specs(flat)
+
+
+def _check_tensor_split(seq: LayerSequence, specs: list, paths: list, sample: Any, tensor: int) -> None:
+    """Raise `PipelineError` naming every layer whose tensor split a reshape cuts into parts the axis does not
+    divide (attention heads, query groups): each tensor rank must hold whole heads, as Megatron requires."""
+    carry = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), sample)
+    problems = []
+    for i, (layer, p) in enumerate(zip(seq.layers, seq.params, strict=True)):
+        closed = jax.make_jaxpr(layer)(p, carry)
+        dims = [tensor_dim(x) for x in specs[i]]
+        cut = propagate(closed.jaxpr, dims + [None] * (len(closed.jaxpr.invars) - len(dims)), tensor).cut_reshapes
+        if cut:
+            split = [
+                f"{path} {x.shape} (dim {d})" for path, x, d in zip(paths[i], p, dims, strict=True) if d is not None
+            ]
+            problems.append(f"layer {i}: {cut} reshape(s) cut the tensor split of {', '.join(split)}")
+        carry = jax.eval_shape(layer, p, carry)
+    if problems:
+        raise PipelineError(
+            f"expected each stage's tensor-parallel layers to split into tensor={tensor} parts of whole attention "
+            "heads and key/value groups, found reshapes that cut them:\n  "
+            + "\n  ".join(problems)
+            + f"\nuse a tensor axis that divides the heads and the key/value heads (found {tensor}), or drop it"
+        )
 
 
 def create_pipeline_state(
@@ -86,12 +128,20 @@ def create_pipeline_state(
         )
     seq = split_layers(init_fn, one, apply_fn=apply_fn, precision=plan.precision)
     parts = model_parts(init_fn, one, apply_fn=apply_fn)
+    sizes = mesh_sizes(mesh)
+    specs = None
+    if sizes.get("tensor", 1) > 1:  # checked on the abstract layers, before anything is initialised or compiled
+        specs = _layer_tensor_specs(plan, seq, parts.params, sizes)
+        paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(parts.params)[0]]
+        _check_tensor_split(seq, specs, seq.split_flat(paths, lambda path, j: f"{path}[{j}]"), one, sizes["tensor"])
     params, _ = parts.init(jax.random.key(0) if key is None else key)
     layer_params = seq.split(params)
     schedule = make_schedule(plan.pipeline_schedule, plan.pipeline_stages, plan.num_microbatches, plan.pipeline_virtual)
     cut = _stage_cut(plan, seq.layers, layer_params, one, schedule.num_chunks)
-    state = init_pipeline_state(layer_params, tx, mesh, cut, schedule, zero_stage=plan.zero_stage)
-    return state.replace(sequence=seq, partition=cut, schedule=schedule, remat=plan.remat)
+    state = init_pipeline_state(layer_params, tx, mesh, cut, schedule, zero_stage=plan.zero_stage, tensor_specs=specs)
+    return state.replace(
+        sequence=seq, partition=cut, schedule=schedule, remat=plan.remat, sequence_parallel=plan.sequence_parallel
+    )
 
 
 def pipeline_step(
@@ -135,6 +185,20 @@ def from_model_state(params: Any, opt_state: Any, like: PipelineState, mesh: Mes
     is_model = lambda x: jax.tree.structure(x) == seq.treedef  # noqa: E731
     opt_layers = jax.tree.map(lambda x: seq.split(x) if is_model(x) else x, opt_state, is_leaf=is_model)
     state = pack_state(
-        layer_params, opt_layers, like.tx, mesh, like.partition, like.schedule, zero_stage=like.zero_stage, step=step
+        layer_params,
+        opt_layers,
+        like.tx,
+        mesh,
+        like.partition,
+        like.schedule,
+        zero_stage=like.zero_stage,
+        step=step,
+        tensor_specs=like.packing.tensor_specs,
     )
-    return state.replace(sequence=seq, partition=like.partition, schedule=like.schedule, remat=like.remat)
+    return state.replace(
+        sequence=seq,
+        partition=like.partition,
+        schedule=like.schedule,
+        remat=like.remat,
+        sequence_parallel=like.sequence_parallel,
+    )
