@@ -13,11 +13,12 @@ from flax import nnx
 from openhosti_jax.errors import PlanningError
 from openhosti_jax.models.gpt import GPT, GPTConfig
 from openhosti_jax.models.llama import Llama, LlamaConfig
+from openhosti_jax.models.presets import model_preset
 from openhosti_jax.planner.cluster import Cluster
 from openhosti_jax.planner.cost import matmul_efficiency
 from openhosti_jax.planner.predict import predict
 from openhosti_jax.planner.profiles import PROFILES
-from openhosti_jax.planner.search import Candidate, rank, score, search
+from openhosti_jax.planner.search import Candidate, enumerate_candidates, rank, score, search
 from openhosti_jax.planner.stacks import STACKS, Stack, stack
 from openhosti_jax.planner.workload import workload
 
@@ -137,14 +138,32 @@ def test_stacks_are_named_cited_and_checked():
 
 
 def test_a_pipeline_splits_tensors_only_where_the_stack_does():
-    """This library's pipeline stages split only the batch: a pipelined mesh with a tensor axis is refused on its
-    stack and priced, sequence parallel, on Megatron-Core's."""
+    """This library's pipeline stages split their layers over tensor (tests/test_pipeline_tensor.py), as
+    Megatron-Core's do: a pipelined mesh with a tensor axis is priced, sequence parallel, on both stacks, and
+    refused on a stack whose stages split only the batch. The planner offers such meshes for this library."""
     init = lambda r: GPT(CFG, rngs=nnx.Rngs(r))  # noqa: E731
     mesh = "stage=2,fsdp=2,tensor=2"
+    for name in ("openhosti", "megatron-core"):
+        p = predict(init, optax.adam(1e-3), BATCH, Cluster(H100, 1, 8, STACKS[name]), mesh=mesh, microbatches=4)
+        assert p.plan.sequence_parallel and p.plan.pipeline_stages == 2 and p.plan.mesh_shape["tensor"] == 2
+    batch_only = dataclasses.replace(STACKS["openhosti"], name="batch-only", pipeline_tensor=False)
     with pytest.raises(PlanningError, match="pipeline_tensor"):
-        predict(init, optax.adam(1e-3), BATCH, Cluster(H100, 1, 8), mesh=mesh, microbatches=4)
-    p = predict(init, optax.adam(1e-3), BATCH, Cluster(H100, 1, 8, STACKS["megatron-core"]), mesh=mesh, microbatches=4)
-    assert p.plan.sequence_parallel and p.plan.pipeline_stages == 2
+        predict(init, optax.adam(1e-3), BATCH, Cluster(H100, 1, 8, batch_only), mesh=mesh, microbatches=4)
+    own = enumerate_candidates(64, pipeline=True, pipeline_tensor=STACKS["openhosti"].pipeline_tensor)
+    assert [c for c in own if c.mesh_shape["stage"] > 1 and c.mesh_shape["tensor"] > 1]
+
+
+def test_gpt3_pipelines_over_tensor_on_this_librarys_stack():
+    """GPT-3 175B on 64 H100 at Megatron's 8 stages x 8-way tensor parallelism: priced on this library's stack,
+    not refused, the plan splitting each stage over tensor=8."""
+    m = model_preset("gpt3-175b")
+    batch = jax.ShapeDtypeStruct((1536, 2048), jnp.int32)
+    p = predict(m.init, optax.adamw(1e-4), batch, "64xH100", mesh="stage=8,tensor=8", microbatches=16)
+    assert p.plan.pipeline_stages == 8 and p.plan.mesh_shape["tensor"] == 8 and p.cluster.stack.name == "openhosti"
+    assert "stage=8 tensor=8" in str(p)
+    # each device holds 1/64 of the state, fp32 parameters (bf16 computes on them) and Adam's two moments, but for
+    # the norms and biases each tensor rank keeps whole (0.13% more)
+    assert 1 < p.memory["state"] / (12 * m.config.num_params() / 64) < 1.002
 
 
 def test_cudnn_attention_is_priced_at_its_measured_forward_and_backward_rates():

@@ -79,13 +79,13 @@ def test_the_sequence_split_saves_what_the_cost_model_predicts():
 
 
 def test_the_planner_splits_the_sequence_wherever_it_splits_tensors():
-    """This library's pipeline stages split only the batch, so its pipelined meshes have no tensor axis; a stack
-    whose stages split tensors (Megatron) gets those meshes, sequence parallel like the rest."""
+    """This library's pipeline stages split their layers over tensor (as Megatron's do), so its pipelined meshes
+    have tensor axes, sequence parallel like the rest; a stack whose stages split only the batch gets none."""
     own = enumerate_candidates(16, pipeline=True, precisions=("bf16",))
-    assert not [c for c in own if c.mesh_shape["stage"] > 1 and c.mesh_shape["tensor"] > 1]
-    megatron = enumerate_candidates(16, pipeline=True, precisions=("bf16",), pipeline_tensor=True)
-    assert [c for c in megatron if c.mesh_shape["stage"] > 1 and c.mesh_shape["tensor"] > 1]
-    for c in own + megatron:
+    assert [c for c in own if c.mesh_shape["stage"] > 1 and c.mesh_shape["tensor"] > 1]
+    batch_only = enumerate_candidates(16, pipeline=True, precisions=("bf16",), pipeline_tensor=False)
+    assert not [c for c in batch_only if c.mesh_shape["stage"] > 1 and c.mesh_shape["tensor"] > 1]
+    for c in own + batch_only:
         assert c.sequence_parallel == (c.mesh_shape["tensor"] > 1)
 
 

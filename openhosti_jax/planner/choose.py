@@ -40,6 +40,7 @@ from openhosti_jax.planner.search import (
     variants_of,
     why,
 )
+from openhosti_jax.planner.stacks import STACKS
 from openhosti_jax.planner.verify import compiled_step_bytes, default_step, step_accumulates
 from openhosti_jax.planner.workload import workload
 from openhosti_jax.policies.remat import REMAT_POLICIES
@@ -112,7 +113,7 @@ def choose_plan(
         precisions=precision_options(precision),
         max_tensor=where.devices_per_host if isinstance(where, Cluster) and where.hosts > 1 else None,
         max_stages=work.layer_count,
-        pipeline_tensor=where.stack.pipeline_tensor if isinstance(where, Cluster) else False,
+        pipeline_tensor=(where.stack if isinstance(where, Cluster) else STACKS["openhosti"]).pipeline_tensor,
         sequence_parallel=profile.native_reduce_scatter,
     )
     accumulates = step_fn is not None and step_accumulates(work, optimizer, step_fn)

@@ -108,14 +108,14 @@ def enumerate_candidates(
     precisions: Sequence[str] = ("fp32",),
     max_tensor: int | None = None,
     max_stages: int | None = None,
-    pipeline_tensor: bool = False,
+    pipeline_tensor: bool = True,
     sequence_parallel: bool = True,
 ) -> list[Candidate]:
     """Every distinct (mesh shape, ZeRO stage) for ``n_devices``, once per precision of ``precisions``
     (``max_tensor``: the largest tensor axis, e.g. the devices of one host: a tensor-parallel group that crosses
     hosts all-reduces every layer's activations over the slow link; ``max_stages``: the most pipeline stages, the
     model's layer count; ``pipeline_tensor``: whether a pipeline stage can split its layers over ``tensor``, as
-    `Stack.pipeline_tensor` says; this library's pipeline cannot, so by default a pipelined mesh has none;
+    `Stack.pipeline_tensor` says (this library's pipeline can); where it cannot, a pipelined mesh has none;
     ``sequence_parallel``: whether a tensor axis splits the sequence too, which saves memory only where the
     backend reduce-scatters natively (`DeviceProfile.native_reduce_scatter`): XLA's CPU backend all-reduces the
     block's output in full and slices it, and a sequence-split GPT step compiled there is larger, not smaller)."""

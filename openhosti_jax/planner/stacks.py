@@ -62,9 +62,9 @@ class Stack:
     what overflows does not run (this library's plans are sized to fit, then checked by an ahead-of-time
     compile)."""
     pipeline_tensor: bool = True
-    """Whether a pipeline stage splits its layers over the tensor axis too (Megatron, torchtitan and MaxText run
-    tensor and sequence parallelism inside each stage); False: the stages split only the batch (this library's
-    pipeline executor), so a pipelined mesh has no tensor axis."""
+    """Whether a pipeline stage splits its layers over the tensor axis too (Megatron, torchtitan, MaxText and this
+    library run tensor and sequence parallelism inside each stage); False: the stages split only the batch, so a
+    pipelined mesh has no tensor axis."""
     sources: tuple[str, ...] = ()
     """Where the traits come from."""
 
@@ -128,13 +128,13 @@ STACKS: dict[str, Stack] = {
         fused=True,
         flash_attention=True,
         tensor_overlap=False,
-        pipeline_tensor=False,
         sources=(
             "this library on XLA: elementwise ops fused; attention as query blocks (each block's scores stay in a "
             "fusion and are recomputed in the backward), every block computed and masked; the latency-hiding "
             "scheduler overlaps gradient and ZeRO collectives with other layers' work, but a tensor-parallel "
             "all-reduce sits between two dependent matmuls of one layer (no collective matmul by default); the "
-            "pipeline executor (openhosti_jax.pipeline.executor) splits each stage's batch over data / fsdp only",
+            "pipeline executor (openhosti_jax.pipeline.executor) splits each stage's batch over data / fsdp and its "
+            "layers over tensor by the unpipelined path's tensor-parallel specs (tests/test_pipeline_tensor.py)",
         ),
     ),
     "megatron-2021": Stack(
