@@ -40,7 +40,7 @@ Dim = int | None
 
 _SAME_SHAPE = frozenset(
     "add sub mul div neg exp log log1p expm1 tanh logistic sqrt rsqrt integer_pow pow max min abs sign select_n "
-    "convert_element_type erf erf_inv cos sin square eq ne lt le gt ge and or not stop_gradient "
+    "convert_element_type erf erfc erf_inv cos sin square eq ne lt le gt ge and or not stop_gradient "
     "copy copy_p clamp rem floor ceil round is_finite exp2 nextafter name".split()
 )
 

@@ -40,7 +40,7 @@ from openhosti_jax.state.model import abstract, model_parts
 
 _ELEMENTWISE = frozenset(
     "add sub mul div neg exp log log1p expm1 tanh logistic sqrt rsqrt integer_pow pow max min abs sign select_n "
-    "convert_element_type broadcast_in_dim reshape squeeze expand_dims erf erf_inv cos sin square".split()
+    "convert_element_type broadcast_in_dim reshape squeeze expand_dims erf erfc erf_inv cos sin square".split()
 )
 
 
@@ -63,7 +63,8 @@ class Workload:
     activation_bytes_per_example: float
     """Materialised saved activations per example, the loss's (twice the outputs) included."""
     tokens_per_example: int
-    """Positions per example (product of the output's middle dims), for tensor-parallel all-reduce sizes."""
+    """Positions per example (product of the output's middle dims; a classifier's, its token inputs'), for
+    tensor-parallel all-reduce sizes and throughput."""
     activation_itemsize: int = 4
     """Bytes per activation element."""
     jaxpr: Any = None
@@ -432,6 +433,16 @@ def _saved(residuals: tuple[Any, ...], outputs: tuple[Any, ...]) -> tuple[Any, .
     return residuals + outputs + outputs
 
 
+def _positions(output: Any, batch: Any) -> int:
+    """Positions per example: the middle dims of a model's output ``(batch, *positions, features)``; for an output
+    without them (a sequence classifier's ``(batch, classes)``), the most positions an integer input leaf (token ids
+    ``(batch, *positions)``) holds, since its layers ran on every one of them; else 1."""
+    if output.ndim >= 3:
+        return math.prod(output.shape[1:-1])
+    ids = [math.prod(x.shape[1:]) for x in jax.tree.leaves(batch) if x.ndim >= 2 and np.issubdtype(x.dtype, np.integer)]
+    return max(ids, default=1)
+
+
 def _forward_vjp(apply_fn: ApplyFn, model_state: Any) -> Any:
     def fwd(p: Any, x: Any) -> Any:
         out, vjp = jax.vjp(lambda q: apply_fn(q, x, model_state=model_state), p)
@@ -457,7 +468,7 @@ def measure(params: Any, model_state: Any, apply_fn: ApplyFn | None, batch: Any)
     residuals = _per_example_residuals(one.jaxpr, n_params, n_out)
     outputs = tuple(v for v in one.jaxpr.outvars[:n_out] if not isinstance(v, Literal))
     first = one.out_avals[0]
-    tokens = math.prod(first.shape[1:-1]) if first.ndim >= 3 else 1
+    tokens = _positions(first, batch)
     flops = 3.0 * count_flops(one.jaxpr, matmul_only=True)
     act = sum(leaf_bytes(v) for v in _saved(residuals, outputs))
     return Workload(
