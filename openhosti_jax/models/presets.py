@@ -1,7 +1,8 @@
 """Published model shapes by name, built from the bundled families for planning at scale (abstractly: the planner
-never allocates their parameters): ``gpt3-175b``, ``bert-large``, ``llama2-7b``, ``llama2-70b``, ``llama3-8b``,
-``llama3-70b``, ``llama3-405b``, ``sdxl-unet`` (Stable Diffusion XL's 2.57B UNet), or a GPT- or Llama-family
-shape from its dimensions (`gpt_shape`, `llama_shape`).
+never allocates their parameters): ``gpt3-175b``, ``bert-large`` (the encoder with a classification head, on
+fine-tuning batches), ``llama2-7b``, ``llama2-70b``, ``llama3-8b``, ``llama3-70b``, ``llama3-405b``, ``sdxl-unet``
+(Stable Diffusion XL's 2.57B UNet), or a GPT- or Llama-family shape from its dimensions (`gpt_shape`,
+`llama_shape`).
 
 Each language model is built with its blocks scanned (one layer's parameters gathered at a time under ZeRO-3), and
 every model with attention over blocks of queries (activations linear in the sequence, as flash attention's), as large
@@ -25,13 +26,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from openhosti_jax.errors import ConfigError
+from openhosti_jax.models.bert import Bert, BertConfig
 from openhosti_jax.models.gpt import GPT, GPTConfig
 from openhosti_jax.models.llama import Llama, LlamaConfig
 from openhosti_jax.models.unet import UNet, UNetConfig
 
 _PRESETS: dict[str, tuple[type, Callable[..., Any]]] = {
     "gpt3-175b": (GPT, GPTConfig.gpt3_175b),
-    "bert-large": (GPT, GPTConfig.bert_large),
+    "bert-large": (Bert, BertConfig.large),
     "llama2-7b": (Llama, LlamaConfig.llama2_7b),
     "llama2-70b": (Llama, LlamaConfig.llama2_70b),
     "llama3-8b": (Llama, LlamaConfig.llama3_8b),
@@ -53,7 +55,7 @@ class ModelPreset:
 
     name: str
     config: Any
-    """Its `GPTConfig`, `LlamaConfig` or `UNetConfig`."""
+    """Its `GPTConfig`, `LlamaConfig`, `BertConfig` or `UNetConfig`."""
     family: type
 
     def init(self, rngs: Any) -> nnx.Module:
@@ -72,7 +74,9 @@ class ModelPreset:
         return getattr(self.config, "seq_len", None) or self.config.latent_size**2
 
     def sample_batch(self, batch: int) -> Any:
-        """An abstract global batch of ``batch`` examples."""
+        """An abstract global batch of ``batch`` examples: ``(batch, seq_len)`` int32 tokens, or the family's own
+        layout where it has one (`BertConfig.sample_batch`: tokens, token types, padding mask and labels;
+        `UNetConfig.sample_batch`)."""
         if hasattr(self.config, "sample_batch"):
             return self.config.sample_batch(batch)
         return jax.ShapeDtypeStruct((batch, self.config.seq_len), jnp.int32)
