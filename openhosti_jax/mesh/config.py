@@ -3,7 +3,7 @@
 Example:
     >>> from openhosti_jax.mesh import MeshConfig
     >>> MeshConfig(data=-1, fsdp=2).resolve(8)
-    {'stage': 1, 'data': 4, 'fsdp': 2, 'tensor': 1}
+    {'stage': 1, 'data': 4, 'fsdp': 2, 'context': 1, 'tensor': 1}
 """
 
 from __future__ import annotations
@@ -14,11 +14,14 @@ from typing import Literal
 
 from openhosti_jax.errors import MeshConfigError
 
-AXES: tuple[str, ...] = ("stage", "data", "fsdp", "tensor")
+AXES: tuple[str, ...] = ("stage", "data", "fsdp", "context", "tensor")
 """Mesh axis names, outermost (slowest links) first."""
 
 BATCH_AXES: tuple[str, ...] = ("data", "fsdp")
 """Axes the global batch is split over (FSDP shards the batch too, as in ZeRO-3)."""
+
+SEQUENCE_AXIS = "context"
+"""The axis a batch's sequence dim (its second) is split over: context parallelism (`openhosti_jax.models.context`)."""
 
 Size = int | Literal["auto"]
 
@@ -37,6 +40,9 @@ class MeshConfig:
     """Data-parallel replicas (parameters replicated, batch split)."""
     fsdp: Size = 1
     """Fully-sharded data parallel: batch split, parameters / optimizer state sharded."""
+    context: Size = 1
+    """Context parallel: every sequence split along its length (attention passes keys and values between the
+    shards, `openhosti_jax.models.context`); parameters replicated over it, gradients reduced over it."""
     tensor: Size = 1
     """Tensor (model) parallel: attention heads / MLP hidden dims split."""
     dcn: dict[str, int] = field(default_factory=dict)

@@ -55,6 +55,12 @@ def narrow_numpy(x: np.ndarray, where: str) -> np.ndarray:
     return x.astype(NARROW[name])
 
 
+def leaf_spec(spec: P, ndim: int) -> P:
+    """``spec``'s first ``ndim`` entries: what a batch spec places of a leaf of rank ``ndim`` (a ``(batch,)`` label
+    leaf of a ``(batch, seq)`` token batch split over rows and sequence is split by its rows only)."""
+    return P(*tuple(spec)[:ndim])
+
+
 def default_batch_spec(mesh: Mesh) -> P:
     """The leading dim over the mesh's data-parallel axes (``data``, ``fsdp``) that it has."""
     axes = tuple(a for a in BATCH_AXES if a in mesh.axis_names)
@@ -83,8 +89,6 @@ def _specs_for(batch: Any, spec: BatchSpec | None, mesh: Mesh) -> Any:
 
 
 def _problems(where: str, shape: tuple[int, ...], spec: P, mesh: Mesh) -> list[str]:
-    if len(spec) > len(shape):
-        return [f"{where}: spec {spec} needs {len(spec)} dims, found shape {shape}; give it a batch dim"]
     out = []
     for dim, entry in enumerate(spec):
         n = _entry_size(mesh, entry)
@@ -98,7 +102,8 @@ def _problems(where: str, shape: tuple[int, ...], spec: P, mesh: Mesh) -> list[s
 
 def place_batch(batch: Any, mesh: Mesh, spec: BatchSpec | None = None) -> Any:
     """Every leaf of ``batch`` as a global ``jax.Array`` on ``mesh`` placed by ``spec`` (default: leading dim over
-    the data-parallel axes); `BatchError` listing every leaf whose global shape the spec does not divide."""
+    the data-parallel axes; a leaf takes as many of the spec's entries as it has dims); `BatchError` listing every
+    leaf whose global shape the spec does not divide."""
     nproc = jax.process_count()
     specs = _specs_for(batch, spec, mesh)
     flat, treedef = jax.tree_util.tree_flatten_with_path(batch)
@@ -108,7 +113,7 @@ def place_batch(batch: Any, mesh: Mesh, spec: BatchSpec | None = None) -> Any:
         where = f"batch{jax.tree_util.keystr(path)}"
         if not isinstance(x, jax.Array):
             x = narrow_numpy(np.asarray(x), where)
-        s = s if np.ndim(x) else P()
+        s = leaf_spec(s, np.ndim(x))
         shape = tuple(np.shape(x))
         if shape and nproc > 1 and not _is_global(x) and s and s[0] is not None:
             shape = (shape[0] * nproc, *shape[1:])  # this process's rows of the global batch

@@ -27,12 +27,25 @@ from jax.sharding import PartitionSpec as P
 
 from openhosti_jax.errors import ShardingError
 from openhosti_jax.mesh.build import mesh_sizes
-from openhosti_jax.mesh.config import AXES, BATCH_AXES
+from openhosti_jax.mesh.config import AXES, BATCH_AXES, SEQUENCE_AXIS
 from openhosti_jax.policies.precision import precision as resolve_precision
 from openhosti_jax.policies.remat import check_remat
+from openhosti_jax.sharding.batch import leaf_spec
 from openhosti_jax.sharding.specs import DEFAULT_MIN_ELEMENTS, is_spec, spec_axes, validate_specs
 from openhosti_jax.sharding.table import format_bytes, leaf_rows, spec_str, unsharded_leaves
 from openhosti_jax.sharding.zero import ZERO_AXES, Optimizer, zero_specs
+
+
+def batch_spec_for(mesh_shape: Mapping[str, int]) -> P:
+    """The default batch spec on a mesh of ``mesh_shape``: rows over the data-parallel axes, and the sequence (a
+    leaf's second dim) over ``context`` where that axis is larger than 1.
+
+    >>> batch_spec_for({"data": 2, "context": 4}), batch_spec_for({"data": 8})
+    (P(('data', 'fsdp'), 'context'), P(('data', 'fsdp'),))
+    """
+    if int(mesh_shape.get(SEQUENCE_AXIS, 1)) > 1:
+        return P(BATCH_AXES, SEQUENCE_AXIS)
+    return P(BATCH_AXES)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -47,8 +60,10 @@ class ShardingPlan:
     """A PartitionSpec per gradient leaf (ZeRO-2/3: reduce-scattered)."""
     opt_specs: Any
     """A PartitionSpec per optimizer-state leaf (same tree as ``tx.init(params)``)."""
-    batch_spec: P = P(BATCH_AXES)
-    """Spec of every batch leaf's leading dims (the batch dim is split over the data-parallel axes)."""
+    batch_spec: P | None = None
+    """Spec of every batch leaf's leading dims; None (the default) is resolved when the plan is made to the batch dim
+    over the data-parallel axes and, where the mesh has a ``context`` axis larger than 1, the sequence dim (the
+    second) over it (`batch_spec_for`). A leaf of lower rank takes the spec's first entries only."""
     zero_stage: int = 0
     """0: DDP, 1: optimizer state sharded, 2: + gradients, 3: + parameters (FSDP)."""
     num_microbatches: int = 1
@@ -72,6 +87,8 @@ class ShardingPlan:
     not replicated; the tensor-parallel all-reduce becomes a reduce-scatter and an all-gather of the same bytes."""
 
     def __post_init__(self) -> None:
+        if self.batch_spec is None:
+            object.__setattr__(self, "batch_spec", batch_spec_for(self.mesh_shape))
         check_remat(self.remat)
         resolve_precision(self.precision)
         unknown = set(self.mesh_shape) - set(AXES)
@@ -104,8 +121,8 @@ class ShardingPlan:
 
     @property
     def data_parallel_size(self) -> int:
-        """How many ways the global batch is split."""
-        return math.prod(self.mesh_shape[a] for a in spec_axes(self.batch_spec))
+        """How many ways the global batch's rows are split (the axes of the batch spec's first entry)."""
+        return math.prod(self.mesh_shape[a] for a in spec_axes(P(*tuple(self.batch_spec)[:1])))
 
     def validate(self, params: Any, opt_state: Any | None = None) -> None:
         """Raise `ShardingError` listing every spec that does not fit its leaf or this mesh."""
@@ -128,8 +145,9 @@ class ShardingPlan:
         return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=is_spec)
 
     def batch_shardings(self, mesh: Mesh, batch: Any) -> Any:
-        """Shardings for every leaf of a batch (leading dim split by ``batch_spec``; rank-0 leaves replicated)."""
-        return jax.tree.map(lambda x: NamedSharding(mesh, self.batch_spec if x.ndim else P()), batch)
+        """Shardings for every leaf of a batch (leading dims split by ``batch_spec``, as many of its entries as the
+        leaf has dims; rank-0 leaves replicated)."""
+        return jax.tree.map(lambda x: NamedSharding(mesh, leaf_spec(self.batch_spec, x.ndim)), batch)
 
     def digest(self) -> str:
         """A short digest of the placement decisions; processes compare it before the first step."""

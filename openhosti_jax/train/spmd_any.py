@@ -39,11 +39,12 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from openhosti_jax.errors import StateError, StepOutputError
-from openhosti_jax.sharding.batch import place_batch
+from openhosti_jax.sharding.batch import leaf_spec, place_batch
 from openhosti_jax.state.call import StepCall, arg_path, batch_leaves, bind, call_layout, is_graph_object
 from openhosti_jax.state.jit import jit_step
 from openhosti_jax.state.layout import StateLayout
@@ -157,7 +158,12 @@ class AnyCalls:
                 )
         self._pending = None
         treedef = jax.tree.structure(data)
-        data_sh = treedef.unflatten([NamedSharding(step.mesh, step.plan.batch_spec if f else P()) for f in flags])
+        data_sh = treedef.unflatten(
+            [
+                NamedSharding(step.mesh, leaf_spec(step.plan.batch_spec, np.ndim(x)) if f else P())
+                for x, f in zip(jax.tree.leaves(data), flags, strict=True)
+            ]
+        )
         jitted, state_sh = jit_step(
             fn,
             step.plan,
