@@ -1,6 +1,11 @@
-"""Causal attention over blocks of queries, each block's scores made and freed in turn and recomputed in the
-backward pass: the ``seq x seq`` score matrix is never held whole, so activations grow with the sequence length,
-not its square (what flash attention achieves with a fused kernel; here plain XLA ops under `jax.checkpoint`).
+"""Causal attention for the bundled models, and over blocks of queries, each block's scores made and freed in turn
+and recomputed in the backward pass: the ``seq x seq`` score matrix is never held whole, so activations grow with
+the sequence length, not its square (what flash attention achieves with a fused kernel; here plain XLA ops under
+`jax.checkpoint`).
+
+`causal_attention` is the models' one entry: the sequence split over a ``context`` mesh axis
+(`openhosti_jax.models.context`) where the ambient mesh has one, else `query_blocks` where a block size is given,
+else `jax.nn.dot_product_attention`.
 
 Example:
     >>> import jax, jax.numpy as jnp
@@ -21,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from openhosti_jax.errors import ConfigError
+from openhosti_jax.models.context import Strategy, context_attention, context_size
 
 
 def causal_mask(first: jax.Array | int, queries: int, keys: int) -> jax.Array:
@@ -42,3 +48,42 @@ def query_blocks(attend: Callable[[jax.Array, jax.Array], jax.Array], q: jax.Arr
     step = jax.checkpoint(lambda qb, first: attend(qb, first))
     out = jax.lax.map(lambda a: step(*a), (blocks, jnp.arange(n) * block))
     return jnp.moveaxis(out, 0, 1).reshape(*q.shape[:2], *out.shape[3:])
+
+
+def causal_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    block: int | None = None,
+    context_strategy: Strategy = "ring",
+) -> jax.Array:
+    """Causal grouped-query attention of ``q`` ``(batch, seq, heads, head_dim)`` over ``k``, ``v`` ``(batch, seq,
+    kv_heads, head_dim)`` (query head ``h`` reads kv head ``h // (heads // kv_heads)``), scaled by ``head_dim **
+    -0.5``; the output is laid out like ``q``.
+
+    Under an ambient mesh (`jax.set_mesh`) with a ``context`` axis larger than 1: `context_attention` by
+    ``context_strategy`` (``block`` unused: its pieces are the blocks). Else with ``block``: `query_blocks` of that
+    many queries, scores and softmax in float32. Else `jax.nn.dot_product_attention` (its XLA implementation;
+    jax 0.10.2 picks it for ``implementation=None`` on every backend).
+
+    >>> import jax, jax.numpy as jnp
+    >>> q = jax.random.normal(jax.random.key(0), (1, 8, 4, 2))
+    >>> kv = jax.random.normal(jax.random.key(1), (1, 8, 2, 2))
+    >>> bool(jnp.allclose(causal_attention(q, kv, kv, block=2), causal_attention(q, kv, kv), atol=1e-6))
+    True
+    """
+    if context_size() > 1:
+        return context_attention(q, k, v, strategy=context_strategy)
+    if block is None or block >= q.shape[1]:
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    b, s, h, d = q.shape
+    kvh = k.shape[2]
+    grouped = q.reshape(b, s, kvh, h // kvh, d)
+
+    def attend(qb: jax.Array, first: jax.Array) -> jax.Array:
+        att = jnp.einsum("bqngd,bknd->bngqk", qb, k, preferred_element_type=jnp.float32) * d**-0.5
+        att = jnp.where(causal_mask(first, qb.shape[1], s), att, jnp.finfo(att.dtype).min)
+        return jnp.einsum("bngqk,bknd->bqngd", jax.nn.softmax(att, axis=-1).astype(v.dtype), v)
+
+    return query_blocks(attend, grouped, block).reshape(q.shape)

@@ -20,7 +20,8 @@ import numpy as np
 from flax import nnx
 
 from openhosti_jax.errors import ConfigError
-from openhosti_jax.models.attention import causal_mask, query_blocks
+from openhosti_jax.models.attention import causal_attention
+from openhosti_jax.models.context import STRATEGIES
 from openhosti_jax.policies.remat import keep
 from openhosti_jax.sharding.rules import LAYER_AXIS
 from openhosti_jax.state.blocks import stack_modules
@@ -58,6 +59,9 @@ class GPTConfig:
     scan_layers: bool = False
     """Stack the blocks' parameters over a leading ``"layers"`` axis and run them with ``nnx.scan``: one compiled
     block, and under ZeRO-3 one layer's parameters gathered at a time (as MaxText's ``scan_layers``)."""
+    context_strategy: str = "ring"
+    """Under a mesh with a ``context`` axis larger than 1, how attention brings each sequence piece the others' keys
+    and values: ``"ring"`` or ``"all_gather"`` (`openhosti_jax.models.context`)."""
 
     def __post_init__(self) -> None:
         problems = [
@@ -72,6 +76,8 @@ class GPTConfig:
         ]
         if not problems and self.head_dim is None and self.d_model % self.n_heads:
             problems.append(f"n_heads={self.n_heads} must divide d_model={self.d_model} (or give head_dim)")
+        if self.context_strategy not in STRATEGIES:
+            problems.append(f"context_strategy={self.context_strategy!r} must be one of {STRATEGIES}")
         if not 0.0 <= self.dropout < 1.0:
             problems.append(f"dropout={self.dropout} must be in [0, 1)")
         if problems:
@@ -159,14 +165,9 @@ class Block(nnx.Module):
         r1, r2 = jax.random.split(rng) if rng is not None else (None, None)
         q, k, v = jnp.split(keep(self.qkv(self.ln1(x))), 3, axis=-1)  # kept: the 1st and 3rd projections
         q, k, v = (t.reshape(b, s, nh, a // nh) for t in (q, k, v))
-
-        def attend(qb: jax.Array, first: jax.Array) -> jax.Array:
-            att = jnp.einsum("bqhd,bkhd->bhqk", qb, k) / jnp.sqrt(a // nh).astype(x.dtype)
-            mask = causal_mask(first, qb.shape[1], s)
-            att = jax.nn.softmax(jnp.where(mask, att, jnp.finfo(att.dtype).min), axis=-1)
-            return jnp.einsum("bhqk,bkhd->bqhd", att, v)
-
-        y = keep(query_blocks(attend, q, self.cfg.attention_block).reshape(b, s, a))
+        cfg = self.cfg
+        y = causal_attention(q, k, v, block=cfg.attention_block, context_strategy=cfg.context_strategy)
+        y = keep(y.reshape(b, s, a))
         x = x + self._drop(self.proj(y), r1)
         return x + self._drop(self.out(jax.nn.gelu(keep(self.fc(self.ln2(x))))), r2)
 

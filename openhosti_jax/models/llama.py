@@ -24,8 +24,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from openhosti_jax.errors import ConfigError, StateError
-from openhosti_jax.models.attention import causal_mask, query_blocks
+from openhosti_jax.models.attention import causal_attention
 from openhosti_jax.models.checks import dtype_problem, finite_number, positive_ints
+from openhosti_jax.models.context import STRATEGIES
 from openhosti_jax.policies.remat import keep
 from openhosti_jax.sharding.rules import LAYER_AXIS
 from openhosti_jax.state.blocks import stack_modules
@@ -63,6 +64,9 @@ class LlamaConfig:
     """Stack the blocks' parameters over a leading ``"layers"`` axis and run them with ``nnx.scan``."""
     attention_block: int | None = None
     """Queries per attention block (`openhosti_jax.models.attention.query_blocks`); None: all at once."""
+    context_strategy: str = "ring"
+    """Under a mesh with a ``context`` axis larger than 1, how attention brings each sequence piece the others' keys
+    and values: ``"ring"`` or ``"all_gather"`` (`openhosti_jax.models.context`)."""
 
     def __post_init__(self) -> None:
         bad, problems = positive_ints({k: getattr(self, k) for k in _POSITIVE_INTS}, _POSITIVE_INTS)
@@ -83,6 +87,8 @@ class LlamaConfig:
             if not isinstance(getattr(self, k), bool):
                 problems.append(f"{k}={getattr(self, k)!r} must be a bool")
         problems += [p for p in [dtype_problem(self.dtype)] if p]
+        if self.context_strategy not in STRATEGIES:
+            problems.append(f"context_strategy={self.context_strategy!r} must be one of {STRATEGIES}")
         if problems:
             raise ConfigError("invalid LlamaConfig: " + "; ".join(problems))
 
@@ -234,16 +240,9 @@ class Block(nnx.Module):
         q = apply_rope(keep(self.wq(x)).reshape(b, s, kvh * group, hd), cos, sin)  # kept: every other projection
         k = apply_rope(self.wk(x).reshape(b, s, kvh, hd), cos, sin)
         v = keep(self.wv(x)).reshape(b, s, kvh, hd)
-        q = q.reshape(b, s, kvh, group, hd)  # query head h = kv head h // group, member h % group
-
-        def attend(qb: jax.Array, first: jax.Array) -> jax.Array:
-            att = jnp.einsum("bqngd,bknd->bngqk", qb, k) / jnp.sqrt(hd).astype(x.dtype)
-            att = att.astype(jnp.float32)
-            mask = causal_mask(first, qb.shape[1], s)
-            att = jax.nn.softmax(jnp.where(mask, att, jnp.finfo(att.dtype).min), axis=-1).astype(x.dtype)
-            return jnp.einsum("bngqk,bknd->bqngd", att, v)
-
-        y = keep(query_blocks(attend, q, self.cfg.attention_block).reshape(b, s, d))
+        cfg = self.cfg  # query head h reads kv head h // group
+        y = causal_attention(q, k, v, block=cfg.attention_block, context_strategy=cfg.context_strategy)
+        y = keep(y.reshape(b, s, d))
         return self.wo(y)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

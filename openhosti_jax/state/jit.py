@@ -120,11 +120,17 @@ def jit_step(
 
 def sequence_context(plan: ShardingPlan, mesh: Mesh) -> contextlib.AbstractContextManager[None]:
     """Where ``plan`` is sequence parallel over a ``tensor`` axis of ``mesh``, the context in which the model's
-    repeated blocks take and return activations split along the sequence over it; else nothing."""
-    if not plan.sequence_parallel or dict(mesh.shape).get("tensor", 1) < 2:
+    repeated blocks take and return activations split along the sequence over it; else nothing.
+
+    Not where the plan splits the batch's sequence over ``context`` (its batch spec has a second entry): the
+    activations are split along the sequence there already, and XLA's SPMD partitioner (jax 0.10.2) miscompiles a
+    weight gradient between the two splits: ``einsum("bsa,bsd->ad")`` of operands placed ``(fsdp, context, tensor)``
+    and ``(fsdp, context+tensor, -)`` into ``(fsdp, -)`` comes out wrong.
+    """
+    spec = tuple(plan.batch_spec)
+    if not plan.sequence_parallel or dict(mesh.shape).get("tensor", 1) < 2 or len(spec) > 1:
         return contextlib.nullcontext()
-    batch = tuple(plan.batch_spec)[0] if len(tuple(plan.batch_spec)) else None
-    return active_sequence_sharding(mesh, batch, "tensor")
+    return active_sequence_sharding(mesh, spec[0] if spec else None, "tensor")
 
 
 def jit_eval(
