@@ -50,6 +50,40 @@ def query_blocks(attend: Callable[[jax.Array, jax.Array], jax.Array], q: jax.Arr
     return jnp.moveaxis(out, 0, 1).reshape(*q.shape[:2], *out.shape[3:])
 
 
+KERNELS = ("auto", "xla", "cudnn")
+"""Attention kernels a model may ask for: ``"auto"`` (the fused one the backend has, else XLA's), ``"xla"``,
+``"cudnn"`` (cuDNN's fused flash attention: GPU, half precision)."""
+
+
+def attention_kernel(kernel: str, dtype: jnp.dtype, head_dim: int, backend: str | None = None) -> str:
+    """The kernel ``"xla"`` or ``"cudnn"`` that attention of ``dtype`` and ``head_dim`` runs on ``backend`` (default:
+    JAX's) for a request of ``kernel`` (`KERNELS`). ``"auto"`` takes cuDNN's fused attention on a GPU in bf16 or
+    fp16 with a head dim it supports (a multiple of 8, at most 128), since jax's own default
+    (``implementation=None``) is XLA's on every backend; a TPU runs XLA's (a Pallas splash kernel is not wired here).
+    A kernel the backend does not have is a `ConfigError`.
+
+    >>> import jax.numpy as jnp
+    >>> attention_kernel("auto", jnp.bfloat16, 128, "gpu"), attention_kernel("auto", jnp.float32, 128, "gpu")
+    ('cudnn', 'xla')
+    >>> attention_kernel("auto", jnp.bfloat16, 128, "cpu")
+    'xla'
+    """
+    backend = backend or jax.default_backend()
+    half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    supported = backend == "gpu" and half and head_dim % 8 == 0 and head_dim <= 128
+    if kernel == "auto":
+        return "cudnn" if supported else "xla"
+    if kernel == "cudnn" and not supported:
+        raise ConfigError(
+            "attention_kernel='cudnn' needs cuDNN's fused attention: a GPU backend, bf16 or fp16, a head dim that is "
+            f"a multiple of 8 up to 128; found backend {backend!r}, {jnp.dtype(dtype).name}, head dim {head_dim}. Use "
+            "'auto' (the fused kernel where the backend has one) or 'xla'"
+        )
+    if kernel not in KERNELS:
+        raise ConfigError(f"attention_kernel={kernel!r}: expected one of {KERNELS}")
+    return kernel
+
+
 def causal_attention(
     q: jax.Array,
     k: jax.Array,
@@ -57,15 +91,17 @@ def causal_attention(
     *,
     block: int | None = None,
     context_strategy: Strategy = "ring",
+    kernel: str = "auto",
 ) -> jax.Array:
     """Causal grouped-query attention of ``q`` ``(batch, seq, heads, head_dim)`` over ``k``, ``v`` ``(batch, seq,
     kv_heads, head_dim)`` (query head ``h`` reads kv head ``h // (heads // kv_heads)``), scaled by ``head_dim **
     -0.5``; the output is laid out like ``q``.
 
     Under an ambient mesh (`jax.set_mesh`) with a ``context`` axis larger than 1: `context_attention` by
-    ``context_strategy`` (``block`` unused: its pieces are the blocks). Else with ``block``: `query_blocks` of that
-    many queries, scores and softmax in float32. Else `jax.nn.dot_product_attention` (its XLA implementation;
-    jax 0.10.2 picks it for ``implementation=None`` on every backend).
+    ``context_strategy`` (``block`` unused: its pieces are the blocks). Else where `attention_kernel` picks cuDNN
+    (``kernel="auto"`` on a GPU in half precision): `jax.nn.dot_product_attention` on it, ``block`` unused. Else
+    with ``block``: `query_blocks` of that many queries, scores and softmax in float32. Else
+    `jax.nn.dot_product_attention`'s XLA implementation.
 
     >>> import jax, jax.numpy as jnp
     >>> q = jax.random.normal(jax.random.key(0), (1, 8, 4, 2))
@@ -75,6 +111,8 @@ def causal_attention(
     """
     if context_size() > 1:
         return context_attention(q, k, v, strategy=context_strategy)
+    if attention_kernel(kernel, q.dtype, q.shape[-1]) == "cudnn":
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
     if block is None or block >= q.shape[1]:
         return jax.nn.dot_product_attention(q, k, v, is_causal=True)
     b, s, h, d = q.shape

@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 from openhosti_jax.errors import ConfigError
-from openhosti_jax.models.attention import causal_attention
+from openhosti_jax.models.attention import KERNELS, causal_attention
 from openhosti_jax.models.context import STRATEGIES
 from openhosti_jax.policies.remat import keep
 from openhosti_jax.sharding.rules import LAYER_AXIS
@@ -62,6 +62,9 @@ class GPTConfig:
     context_strategy: str = "ring"
     """Under a mesh with a ``context`` axis larger than 1, how attention brings each sequence piece the others' keys
     and values: ``"ring"`` or ``"all_gather"`` (`openhosti_jax.models.context`)."""
+    attention_kernel: str = "auto"
+    """The attention kernel (`openhosti_jax.models.attention.KERNELS`): ``"auto"`` runs cuDNN's fused attention on a
+    GPU in bf16/fp16 and XLA's elsewhere; ``"cudnn"`` on a backend without it is a `ConfigError` when traced."""
 
     def __post_init__(self) -> None:
         problems = [
@@ -78,6 +81,8 @@ class GPTConfig:
             problems.append(f"n_heads={self.n_heads} must divide d_model={self.d_model} (or give head_dim)")
         if self.context_strategy not in STRATEGIES:
             problems.append(f"context_strategy={self.context_strategy!r} must be one of {STRATEGIES}")
+        if self.attention_kernel not in KERNELS:
+            problems.append(f"attention_kernel={self.attention_kernel!r} must be one of {KERNELS}")
         if not 0.0 <= self.dropout < 1.0:
             problems.append(f"dropout={self.dropout} must be in [0, 1)")
         if problems:
@@ -166,7 +171,9 @@ class Block(nnx.Module):
         q, k, v = jnp.split(keep(self.qkv(self.ln1(x))), 3, axis=-1)  # kept: the 1st and 3rd projections
         q, k, v = (t.reshape(b, s, nh, a // nh) for t in (q, k, v))
         cfg = self.cfg
-        y = causal_attention(q, k, v, block=cfg.attention_block, context_strategy=cfg.context_strategy)
+        y = causal_attention(
+            q, k, v, block=cfg.attention_block, context_strategy=cfg.context_strategy, kernel=cfg.attention_kernel
+        )
         y = keep(y.reshape(b, s, a))
         x = x + self._drop(self.proj(y), r1)
         return x + self._drop(self.out(jax.nn.gelu(keep(self.fc(self.ln2(x))))), r2)

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from openhosti_jax.errors import ConfigError, StateError
-from openhosti_jax.models.attention import causal_attention
+from openhosti_jax.models.attention import KERNELS, causal_attention
 from openhosti_jax.models.checks import dtype_problem, finite_number, positive_ints
 from openhosti_jax.models.context import STRATEGIES
 from openhosti_jax.policies.remat import keep
@@ -67,6 +67,9 @@ class LlamaConfig:
     context_strategy: str = "ring"
     """Under a mesh with a ``context`` axis larger than 1, how attention brings each sequence piece the others' keys
     and values: ``"ring"`` or ``"all_gather"`` (`openhosti_jax.models.context`)."""
+    attention_kernel: str = "auto"
+    """The attention kernel (`openhosti_jax.models.attention.KERNELS`): ``"auto"`` runs cuDNN's fused attention on a
+    GPU in bf16/fp16 and XLA's elsewhere; ``"cudnn"`` on a backend without it is a `ConfigError` when traced."""
 
     def __post_init__(self) -> None:
         bad, problems = positive_ints({k: getattr(self, k) for k in _POSITIVE_INTS}, _POSITIVE_INTS)
@@ -89,6 +92,8 @@ class LlamaConfig:
         problems += [p for p in [dtype_problem(self.dtype)] if p]
         if self.context_strategy not in STRATEGIES:
             problems.append(f"context_strategy={self.context_strategy!r} must be one of {STRATEGIES}")
+        if self.attention_kernel not in KERNELS:
+            problems.append(f"attention_kernel={self.attention_kernel!r} must be one of {KERNELS}")
         if problems:
             raise ConfigError("invalid LlamaConfig: " + "; ".join(problems))
 
@@ -241,7 +246,9 @@ class Block(nnx.Module):
         k = apply_rope(self.wk(x).reshape(b, s, kvh, hd), cos, sin)
         v = keep(self.wv(x)).reshape(b, s, kvh, hd)
         cfg = self.cfg  # query head h reads kv head h // group
-        y = causal_attention(q, k, v, block=cfg.attention_block, context_strategy=cfg.context_strategy)
+        y = causal_attention(
+            q, k, v, block=cfg.attention_block, context_strategy=cfg.context_strategy, kernel=cfg.attention_kernel
+        )
         y = keep(y.reshape(b, s, d))
         return self.wo(y)
 
