@@ -138,3 +138,30 @@ def test_verified_plan_records_compiled_bytes_and_prints():
     assert [c.label for c in report.candidates[:1]] == [report.notes[0].split(":")[0]]  # the ranking is data
     assert "why:" not in str(p) and "ZeRO stage" in str(p)  # the plan prints the decision only
     assert sum(p.mesh_shape.values()) >= 1 and p.mesh_shape["data"] * p.mesh_shape["fsdp"] * p.mesh_shape["tensor"] == 8
+
+
+def test_a_context_axis_is_offered_where_sequences_are_few_and_priced_by_its_key_value_exchange():
+    """Context sizes are offered when the batch has no more sequences than devices and the model names its keys and
+    values; a context=4 plan costs what data=4 does (the same examples' worth of tokens per device, the same
+    gradient all-reduce) plus the key/value exchange: per layer every device gathers the sequence's keys and values
+    twice (forward, backward) and reduce-scatters their gradients, 3 x (n-1)/n of the gathered bytes on the bus."""
+    from openhosti_jax.models.presets import model_preset
+    from openhosti_jax.planner.cost import kv_width
+    from openhosti_jax.planner.search import Candidate, context_sizes, score
+
+    p = model_preset("llama3-8b", n_layers=2, seq_len=1024)
+    few, many = workload(p.init, p.sample_batch(8)), workload(p.init, p.sample_batch(128))
+    assert context_sizes(few, 64, 8) == (1, 2, 4, 8) and context_sizes(many, 64, 8) == (1,)
+    assert kv_width(few) == (2 * 8 * 128, 2)  # k and v: 8 heads of 128, two layers
+    shapes = {tuple(c.mesh_shape.values()) for c in enumerate_candidates(64, context=(1, 4), pipeline=True)}
+    assert (1, 16, 1, 4, 1) in shapes and (1, 1, 4, 4, 4) in shapes
+    no_pipe = enumerate_candidates(64, context=(1, 4), pipeline=True, pipeline_context=False)
+    assert not any(c.mesh_shape["stage"] > 1 and c.mesh_shape["context"] > 1 for c in no_pipe)
+
+    def bus(mesh):
+        sizes = {"stage": 1, "data": 1, "fsdp": 1, "context": 1, "tensor": 1} | mesh
+        return score(few, optax.adam(1e-3), Candidate(sizes, 0), PROFILES["H100"]).estimate.comm_bytes
+
+    width, layers = kv_width(few)
+    gathered = layers * 8 * 1024 * width * few.activation_itemsize  # the whole batch's keys and values
+    assert bus({"context": 4}) - bus({"data": 4}) == pytest.approx(3 * gathered * 3 / 4, rel=1e-9)

@@ -32,7 +32,10 @@ def _gpt(cfg: GPTConfig = CFG, batch: jax.ShapeDtypeStruct = BATCH):
 
 
 def _cluster(**traits) -> Cluster:
-    return Cluster(H100, 1, 8, dataclasses.replace(STACKS["openhosti"], **traits))
+    """This library's stack with ``traits``, its attention kernel's on every device and precision (the tests price
+    fp32 steps)."""
+    own = dataclasses.replace(STACKS["openhosti"], attention_on=None, attention_half_only=False)
+    return Cluster(H100, 1, 8, dataclasses.replace(own, **traits))
 
 
 def _mesh(**axes) -> dict[str, int]:
@@ -215,3 +218,19 @@ def test_a_plan_that_fits_only_by_the_compilers_rematerialisation_is_searched_wi
         == w.policy_activations("dots", "bf16").flops_factor
     )
     assert rank(scored, budget)[0].candidate.remat == "dots"
+
+
+def test_the_own_stack_prices_cudnn_attention_only_where_it_runs():
+    """cuDNN's fused attention (its H100 rate, the causal half skipped) on Hopper in half precision; an fp32 step
+    or another device runs XLA's, priced as plain fused ops."""
+    w = _gpt()
+    own = STACKS["openhosti"]
+    plain = dataclasses.replace(own, causal_skip=False, attention_efficiency=None)
+
+    def compute(software, profile, precision):
+        c = Candidate(_mesh(data=8), 0, remat="none", precision=precision)
+        return score(w, optax.adam(1e-3), c, Cluster(profile, 1, 8, software)).estimate.time["compute"]
+
+    assert compute(own, H100, "bf16") != compute(plain, H100, "bf16")
+    assert compute(own, H100, "fp32") == compute(plain, H100, "fp32")
+    assert compute(own, PROFILES["A100"], "bf16") == compute(plain, PROFILES["A100"], "bf16")

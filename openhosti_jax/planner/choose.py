@@ -28,6 +28,7 @@ from openhosti_jax.planner.cluster import cluster as resolve_cluster
 from openhosti_jax.planner.profiles import PROFILES, DeviceProfile
 from openhosti_jax.planner.refine import MEASURED_TIE, measured_order, time_plans
 from openhosti_jax.planner.search import (
+    context_sizes,
     enumerate_candidates,
     first_that_compiles_within,
     gradient_bytes,
@@ -107,14 +108,17 @@ def choose_plan(
         profile = resolve_profile(devices, device_profile, max_bytes=gradient_bytes(work))
         where, n_devices, remats = profile, len(devices), remat_options(remat, devices)
         budget, source = memory_budget_for(devices, profile, memory_budget)
+    software = where.stack if isinstance(where, Cluster) else STACKS["openhosti"]
     candidates = enumerate_candidates(
         n_devices,
         pipeline=pipeline,
         precisions=precision_options(precision),
         max_tensor=where.devices_per_host if isinstance(where, Cluster) and where.hosts > 1 else None,
         max_stages=work.layer_count,
-        pipeline_tensor=(where.stack if isinstance(where, Cluster) else STACKS["openhosti"]).pipeline_tensor,
+        pipeline_tensor=software.pipeline_tensor,
+        pipeline_context=software.pipeline_context,
         sequence_parallel=profile.native_reduce_scatter,
+        context=context_sizes(work, n_devices, where.devices_per_host if isinstance(where, Cluster) else n_devices),
     )
     accumulates = step_fn is not None and step_accumulates(work, optimizer, step_fn)
     scored = search(

@@ -239,9 +239,15 @@ class _Layout:
         return self.plan.num_microbatches
 
     @property
+    def context(self) -> int:
+        """The context axis's size: the devices each sequence is split over."""
+        return self.sizes.get("context", 1)
+
+    @property
     def b_local(self) -> float:
-        """Examples per data-parallel replica per step."""
-        return self.work.global_batch / self.dp
+        """Examples' worth of tokens per device per step: the data-parallel replica's examples, each split over the
+        context axis (attention's causal work is balanced over it, so it divides like the rest)."""
+        return self.work.global_batch / self.dp / self.context
 
     @property
     def sequence(self) -> bool:
@@ -268,6 +274,13 @@ def _layout(
     sizes = {a: int(n) for a, n in plan.mesh_shape.items()}
     cluster = profile if isinstance(profile, Cluster) else Cluster(profile, 1, math.prod(sizes.values()))
     mp = precision(plan.precision)
+    on, stack = cluster.stack.attention_on, cluster.stack
+    full = mp.compute_dtype.itemsize > 2
+    if (on is not None and cluster.profile.name not in on) or (stack.attention_half_only and full):
+        # the stack's attention kernel does not run on this device or in this precision: plain fused XLA ops
+        cluster = dataclasses.replace(
+            cluster, stack=dataclasses.replace(stack, causal_skip=False, attention_efficiency=None)
+        )
     params = work.memo(("params", plan.precision), lambda: jax.tree.leaves(mp.cast_to_param(work.params)))
     policy = work.policy_activations(plan.remat, plan.precision)
     if policy is None:
@@ -336,7 +349,7 @@ def _memory(lay: _Layout, acts: _Activations) -> _Memory:
     if stages > 1:  # 1F1B: at most S microbatches in flight at the first stage, each holding that stage's share
         act = acts.kept * (lay.b_local / lay.k) * min(lay.k, stages)
     accumulator = sum(lay.local_bytes(x, s) for x, s in zip(params, lay.g_specs, strict=True)) if lay.k > 1 else 0.0
-    batch = tree_bytes(lay.work.batch) / lay.dp
+    batch = tree_bytes(lay.work.batch) / lay.dp / lay.context
     state = (param_local + opt_local) / stages
     reduction = grads.stacked_out + grads.scattered + _reduction_bytes(lay, grads)
     # a compute dtype other than the parameters' makes a cast copy of the (local) parameters for the step
@@ -389,6 +402,8 @@ class _Gradients(NamedTuple):
 
 
 def _gradients(lay: _Layout, grad_full: list[int]) -> _Gradients:
+    if lay.stages > 1:
+        return _pipelined_gradients(lay, grad_full)
     stacked_out, flat, combined, combined_out, scattered = 0.0, [], 0.0, 0.0, 0.0
     flat_gathered, layer_leaf, layer_gathered = 0.0, 0.0, 0.0
     for g, x, ps, bs, gs, names in zip(
@@ -419,6 +434,19 @@ def _gradients(lay: _Layout, grad_full: list[int]) -> _Gradients:
                 layer_gathered += g * mp.compute_dtype.itemsize / mp.param_dtype.itemsize
     start = flat_gathered + max(flat, default=0)
     return _Gradients(stacked_out, start, layer_gathered + layer_leaf, combined, combined_out, scattered)
+
+
+def _pipelined_gradients(lay: _Layout, grad_full: list[int]) -> _Gradients:
+    """The pipeline executor's: a stage's parameters packed into one buffer per chunk, the gradient of the whole
+    schedule accumulated in it and reduced once after it (one combined collective), ZeRO-3's gathered copies of
+    a stage's leaves held through its schedule (a stacked leaf's a layer at a time, the next prefetched)."""
+    gathered = sum(
+        g * (min(2 / x.shape[0], 1.0) if lay.stacked(names) else 1.0)
+        for g, x, ps, bs, names in zip(grad_full, lay.params, lay.p_specs, lay.base, lay.names, strict=True)
+        if spec_axes(ps) != spec_axes(bs)
+    )
+    combined_out = sum(lay.local_bytes(x, s) for x, s in zip(lay.params, lay.g_specs, strict=True))
+    return _Gradients(0.0, gathered + max(grad_full, default=0), 0.0, float(sum(grad_full)), combined_out, 0.0)
 
 
 def _reduction_bytes(lay: _Layout, grads: _Gradients) -> float:
@@ -486,7 +514,56 @@ def _communication(lay: _Layout, acts: _Activations) -> tuple[_Collectives, floa
     comm.add_gradient_reductions()
     if lay.t > 1:
         _tensor_collectives(lay, acts, comm)
+    if lay.context > 1:
+        _context_collectives(lay, comm)
     return comm, updated
+
+
+def kv_width(work: Workload) -> tuple[int, int]:
+    """(key and value elements per token of one attention layer, the attention layers): the output widths of the
+    leaves whose last dim is named ``"kv_heads"`` (grouped-query attention), else twice the widest ``"heads"`` one
+    (multi-head); (0, 0) where no leaf is named so: such a model's attention cannot be priced over a context axis.
+
+    >>> from openhosti_jax.models.presets import model_preset
+    >>> from openhosti_jax.planner.workload import workload
+    >>> p = model_preset("llama3-8b", n_layers=2, seq_len=256)
+    >>> kv_width(workload(p.init, p.sample_batch(1)))  # k and v: 8 heads of 128 each, two layers
+    (2048, 2)
+    """
+
+    def walk() -> tuple[int, int]:
+        kv, heads, layers = 0, 0, 1
+        for x, names in zip(jax.tree.leaves(work.params), logical_names(work.params), strict=True):
+            if not names:
+                continue
+            if names[0] == LAYER_AXIS:
+                layers = max(layers, int(x.shape[0]))
+            if names[-1] == "kv_heads":
+                kv += int(x.shape[-1])
+            elif names[-1] == "heads":
+                heads = max(heads, int(x.shape[-1]))
+        width = kv or 2 * heads
+        return (width, layers) if width else (0, 0)
+
+    return work.memo(("kv_width",), walk)
+
+
+def _context_collectives(lay: _Layout, comm: _Collectives) -> None:
+    """Add the context axis's key/value exchange to ``comm``: per microbatch and attention layer, every device
+    gathers the sequence's keys and values (the forward, and again for the backward's recomputation or reuse),
+    and the backward reduce-scatters their gradients back to their shards."""
+    width, layers = kv_width(lay.work)
+    if not width:
+        raise PlanningError(
+            "a context axis needs the attention's key/value width, which the model does not name: expected leaves "
+            "whose last logical dim is 'kv_heads' or 'heads' (nnx metadata out_sharding=(...)); found none. Name "
+            "the attention projections, or plan without a context axis"
+        )
+    k = lay.k
+    gathered = lay.b_local * lay.context * lay.work.tokens_per_example * width * lay.work.activation_itemsize
+    nbytes = layers * gathered / (lay.t if lay.t > 1 and width % lay.t == 0 else 1)  # heads split over tensor
+    comm.add("all_gather", 2 * nbytes, ("context",), 2 * k * layers, what="tensor")
+    comm.add("reduce_scatter", nbytes, ("context",), k * layers, what="tensor")
 
 
 def _parameter_collectives(lay: _Layout, comm: _Collectives) -> float:

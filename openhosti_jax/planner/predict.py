@@ -197,6 +197,12 @@ def predict(
                 "split only the batch (Stack.pipeline_tensor is False); drop the tensor axis, or price another "
                 "stack's pipeline (e.g. 'megatron-core')"
             )
+        if sizes["stage"] > 1 and sizes.get("context", 1) > 1 and not c.stack.pipeline_context:
+            raise PlanningError(
+                f"the mesh {sizes} pipelines over a context axis, but the {c.stack.name!r} stack's pipeline stages "
+                "do not split sequences (Stack.pipeline_context is False); drop the context axis or the stages, or "
+                "price another stack's pipeline (e.g. 'megatron-core')"
+            )
         sharded = sizes["data"] * sizes["fsdp"] > 1
         stage = (3 if sharded else 0) if zero is None else zero
         axes = ("fsdp",) if sizes["data"] > 1 and sizes["fsdp"] > 1 else ZERO_AXES

@@ -31,7 +31,7 @@ from openhosti_jax.mesh.config import AXES
 from openhosti_jax.mesh.memory import device_memory_limit
 from openhosti_jax.planner.calibrate import device_profile
 from openhosti_jax.planner.cluster import Cluster
-from openhosti_jax.planner.cost import Estimate, estimate
+from openhosti_jax.planner.cost import Estimate, estimate, kv_width
 from openhosti_jax.planner.profiles import DeviceProfile
 from openhosti_jax.planner.verify import compiled_step_bytes, step_accumulates
 from openhosti_jax.planner.workload import Workload, measure, measure_step
@@ -110,6 +110,8 @@ def enumerate_candidates(
     max_stages: int | None = None,
     pipeline_tensor: bool = True,
     sequence_parallel: bool = True,
+    context: Sequence[int] = (1,),
+    pipeline_context: bool = True,
 ) -> list[Candidate]:
     """Every distinct (mesh shape, ZeRO stage) for ``n_devices``, once per precision of ``precisions``
     (``max_tensor``: the largest tensor axis, e.g. the devices of one host: a tensor-parallel group that crosses
@@ -118,24 +120,39 @@ def enumerate_candidates(
     `Stack.pipeline_tensor` says (this library's pipeline can); where it cannot, a pipelined mesh has none;
     ``sequence_parallel``: whether a tensor axis splits the sequence too, which saves memory only where the
     backend reduce-scatters natively (`DeviceProfile.native_reduce_scatter`): XLA's CPU backend all-reduces the
-    block's output in full and slices it, and a sequence-split GPT step compiled there is larger, not smaller)."""
+    block's output in full and slices it, and a sequence-split GPT step compiled there is larger, not smaller);
+    ``context``: the sizes of a context axis to try (each sequence split over it, `openhosti_jax.models.context`);
+    ``pipeline_context``: whether a pipelined mesh may have one too (`Stack.pipeline_context`)."""
     out = []
     for s in [s for s in divisors(n_devices) if max_stages is None or s <= max_stages] if pipeline else [1]:
         for t in [t for t in divisors(n_devices // s) if max_tensor is None or t <= max_tensor] if tensor else [1]:
             if s > 1 and t > 1 and not pipeline_tensor:
                 continue
-            rest = n_devices // (s * t)
-            for f in divisors(rest):
-                shape = {"stage": s, "data": rest // f, "fsdp": f, "tensor": t}
-                stages = [0] if f == 1 else [1, 2, 3]
-                axes = ("fsdp",) if rest // f > 1 else ZERO_AXES
-                sequence = t > 1 and sequence_parallel  # it only saves memory: the same bytes move
-                out += [
-                    Candidate(shape, z, axes, precision=p, sequence_parallel=sequence)
-                    for p in precisions
-                    for z in stages
-                ]
+            for c in [c for c in context if (n_devices // (s * t)) % c == 0 and (s == 1 or c == 1 or pipeline_context)]:
+                rest = n_devices // (s * t * c)
+                for f in divisors(rest):
+                    shape = {"stage": s, "data": rest // f, "fsdp": f, "context": c, "tensor": t}
+                    stages = [0] if f == 1 else [1, 2, 3]
+                    axes = ("fsdp",) if rest // f > 1 else ZERO_AXES
+                    sequence = t > 1 and sequence_parallel  # it only saves memory: the same bytes move
+                    out += [
+                        Candidate(shape, z, axes, precision=p, sequence_parallel=sequence)
+                        for p in precisions
+                        for z in stages
+                    ]
     return out
+
+
+def context_sizes(work: Workload, n_devices: int, per_host: int) -> tuple[int, ...]:
+    """The context axis sizes worth pricing for ``work``: 1, and where the global batch has no more sequences than
+    devices (data parallelism alone leaves each device at most one sequence, which microbatches cannot cut
+    further) and the model names its attention's keys and values (`openhosti_jax.planner.cost.kv_width`: the
+    bundled models, whose attention runs over a context axis), each size within a host (its exchange runs every
+    layer, over the fast links) that splits the sequence into twice as many equal chunks (the causal balance)."""
+    tokens = work.tokens_per_example
+    if work.global_batch > n_devices or tokens <= 1 or not kv_width(work)[0]:
+        return (1,)
+    return tuple(c for c in divisors(n_devices) if c <= per_host and tokens % (2 * c) == 0)
 
 
 def _family(c: Candidate) -> tuple:

@@ -65,6 +65,15 @@ class Stack:
     """Whether a pipeline stage splits its layers over the tensor axis too (Megatron, torchtitan, MaxText and this
     library run tensor and sequence parallelism inside each stage); False: the stages split only the batch, so a
     pipelined mesh has no tensor axis."""
+    attention_on: tuple[str, ...] | None = None
+    """Device kinds (`DeviceProfile.name`) whose attention kernel ``causal_skip`` and ``attention_efficiency``
+    describe; elsewhere the stack's attention is priced as plain fused XLA ops (None: every kind)."""
+    attention_half_only: bool = False
+    """Whether that kernel runs only in half precision (cuDNN's flash attention: bf16 / fp16); an fp32 step's
+    attention is then priced as plain fused XLA ops."""
+    pipeline_context: bool = True
+    """Whether a pipeline stage splits its sequences over a context axis too (Megatron-Core, MaxText and
+    torchtitan compose context parallelism with their pipelines); False: a pipelined mesh has no context axis."""
     sources: tuple[str, ...] = ()
     """Where the traits come from."""
 
@@ -127,14 +136,24 @@ STACKS: dict[str, Stack] = {
         "openhosti",
         fused=True,
         flash_attention=True,
+        causal_skip=True,
+        attention_efficiency=_CUDNN_H100_EFFICIENCY,
+        attention_on=("H100", "H200", "H100 HBM2e"),
+        attention_half_only=True,
         tensor_overlap=False,
+        pipeline_context=False,
         sources=(
-            "this library on XLA: elementwise ops fused; attention as query blocks (each block's scores stay in a "
-            "fusion and are recomputed in the backward), every block computed and masked; the latency-hiding "
+            "this library on XLA: elementwise ops fused; attention on a GPU in bf16/fp16 is cuDNN's fused flash "
+            "kernel (openhosti_jax.models.attention.attention_kernel passes implementation='cudnn' to "
+            "jax.nn.dot_product_attention, whose implementation=None is XLA's on every backend in jax 0.10; "
+            "tests/test_models_attention.py), priced at cuDNN's measured H100 rate with the causal half skipped, "
+            "on Hopper only (the rate's source); elsewhere query blocks (each block's scores stay in a fusion and "
+            "are recomputed in the backward), every block computed and masked; the latency-hiding "
             "scheduler overlaps gradient and ZeRO collectives with other layers' work, but a tensor-parallel "
             "all-reduce sits between two dependent matmuls of one layer (no collective matmul by default); the "
             "pipeline executor (openhosti_jax.pipeline.executor) splits each stage's batch over data / fsdp and its "
             "layers over tensor by the unpipelined path's tensor-parallel specs (tests/test_pipeline_tensor.py)",
+            *_CUDNN_H100,
         ),
     ),
     "megatron-2021": Stack(
