@@ -22,7 +22,7 @@ from openhosti_jax.planner.profiles import PROFILES
 from openhosti_jax.planner.search import Candidate, score
 from openhosti_jax.planner.workload import workload
 
-LANGUAGE = ("gpt3-175b", "llama2-7b", "llama2-70b", "llama3-8b", "llama3-70b", "llama3-405b")
+LANGUAGE = ("gpt3-175b", "bert-large", "llama2-7b", "llama2-70b", "llama3-8b", "llama3-70b", "llama3-405b")
 FAMILIES = {  # 64 devices: fsdp, fsdp x tensor, stage x fsdp, stage x fsdp x tensor, data x fsdp
     "fsdp=64": 64,
     "fsdp=8,tensor=8": 64,
