@@ -203,8 +203,11 @@ class Packing:
         if constrain:
             slots = jax.lax.with_sharding_constraint(slots, P(TENSOR, None))
         out = []
-        for leaf in self.leaves[c]:
-            part = slots[:, leaf.offset : leaf.offset + leaf.length]
+        # one split of the row into the leaves' consecutive parts: its transpose (the gradient row) is one
+        # concatenate, where a slice per leaf transposes to a full-row pad per leaf that XLA keeps two rows of
+        cuts = [leaf.offset + leaf.length for leaf in self.leaves[c]]
+        parts = jnp.split(slots[:, : cuts[-1]], cuts[:-1], axis=1) if cuts else []
+        for leaf, part in zip(self.leaves[c], parts, strict=True):
             size = math.prod(leaf.shape)
             if leaf.dim is None:
                 x = part.reshape(t * leaf.length)[:size].reshape(leaf.shape)
