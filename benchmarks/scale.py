@@ -37,6 +37,7 @@ Last stdout line: one JSON object.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import time
 from typing import Any
@@ -48,6 +49,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
+from openhosti_jax.errors import PlanningError  # noqa: E402
 from openhosti_jax.models.presets import ModelPreset, gpt_shape, model_preset  # noqa: E402
 from openhosti_jax.planner.cluster import cluster  # noqa: E402
 from openhosti_jax.planner.predict import Prediction, predict  # noqa: E402
@@ -305,6 +307,75 @@ def predicted(run: Run, config: bool, peak: float | None = None) -> Prediction:
     )
 
 
+PEERS = ("megatron-core", "maxtext-gpu", "torchtitan-compile")
+"""The stacks the own is compared with (each priced from its cited traits, `openhosti_jax.planner.stacks`)."""
+
+WORKLOADS: tuple[tuple[str, str, dict[str, Any], str, int], ...] = (
+    ("gpt3_175b_64xH100", "gpt3-175b", {}, "64xH100", 1536),  # the seed's headline: batch 1536 x 2048
+    ("llama3_8b_8xH100", "llama3-8b", {}, "8xH100", 128),  # 1M tokens of 8192
+    ("llama3_70b_64xH100", "llama3-70b", {}, "64xH100", 512),  # 4M tokens
+    ("llama3_405b_1024xH100", "llama3-405b", {}, "1024xH100", 2048),  # 16M tokens
+    ("llama3_8b_128k_64xH100", "llama3-8b", {"seq_len": 131072}, "64xH100", 64),  # 8M tokens of 131072
+)
+"""(key, preset, its overrides, cluster, global batch in sequences): the seed's workloads, none a published run."""
+
+
+def own_against_peers(out: dict[str, Any]) -> None:
+    """``own_over_best_peer_<workload>``: tokens/s per device of the planner's choice on this library's stack over
+    the best of `PEERS` (each the planner's choice on that stack, the same cluster and batch); 0 when no plan of
+    the own stack fits."""
+    table: dict[str, Any] = {}
+    for key, name, overrides, where, batch in WORKLOADS:
+        preset = model_preset(name, **overrides)
+        shape = jax.ShapeDtypeStruct((batch, preset.config.seq_len), jnp.int32)
+        row: dict[str, Any] = {}
+        for software in ("openhosti", *PEERS):
+            c = dataclasses.replace(cluster(where), stack=STACKS[software])
+            try:
+                p = predict(preset.init, optax.adamw(1e-4), shape, c, model_flops_per_token=preset.flops_per_token)
+            except PlanningError as err:  # nothing fits on this stack
+                row[software] = {"tokens_per_s_per_device": 0.0, "why": str(err)[:200]}
+                continue
+            row[software] = {
+                "tokens_per_s_per_device": round(p.tokens_per_second_per_device, 1) if p.fits else 0.0,
+                "plan": p.as_dict()["mesh"] | {"zero": p.plan.zero_stage, "remat": p.plan.remat},
+                "memory_gib": round(p.memory_bytes / 2**30, 1),
+            }
+        best = max(row[s]["tokens_per_s_per_device"] for s in PEERS)
+        out[f"own_over_best_peer_{key}"] = round(row["openhosti"]["tokens_per_s_per_device"] / best, 3) if best else 0.0
+        table[key] = row
+        print(key, json.dumps(row), flush=True)
+    out["own_against_peers"] = table
+
+
+def seed_rows(out: dict[str, Any]) -> None:
+    """The seed's two image and encoder claims, priced side by side: plain DDP (replicated fp32 state, no
+    recomputation) against the planner's choice, per GPU. SDXL's UNet at 1024 x 1024 pixels, 4 images per GPU on 8
+    H100 (the seed claims 18 GB against 32 GB and 3x); BERT-Large fine-tuning at 512 tokens, 8 sequences per GPU
+    on 4 H100 (the seed claims 2.8x). The batch sizes are this script's: the seed states none."""
+    for key, name, where, batch, claims in (
+        ("seed_sdxl_8xH100", "sdxl-unet", "8xH100", 32, {"peak_gb": [18, 32], "speedup": 3.0}),
+        ("seed_bert_large_4xH100", "bert-large", "4xH100", 32, {"speedup": 2.8}),
+    ):
+        preset = model_preset(name)
+        shape = preset.sample_batch(batch)
+        devices = cluster(where).n_devices
+        tx = optax.adamw(1e-4)
+        ddp = predict(preset.init, tx, shape, where, mesh=f"data={devices}", zero=0, remat="none", precision="fp32")
+        own = predict(preset.init, tx, shape, where, model_flops_per_token=preset.flops_per_token)
+        out[f"{key}_peak_gib_choice"] = round(own.memory_bytes / 2**30, 1)
+        out[f"{key}_peak_gib_ddp"] = round(ddp.memory_bytes / 2**30, 1)
+        out[f"{key}_speedup_over_ddp"] = round(ddp.step_seconds / own.step_seconds, 2)
+        out[key] = {
+            "choice": own.as_dict()["mesh"] | {"zero": own.plan.zero_stage, "remat": own.plan.remat},
+            "choice_precision": own.plan.precision,
+            "choice_fits": own.fits,
+            "ddp_fits": ddp.fits,
+            "seed_claims": claims,
+        }
+        print(key, json.dumps(out[key]), flush=True)
+
+
 def main() -> None:
     out: dict[str, Any] = {}
     choice: dict[str, Any] = {}
@@ -349,6 +420,8 @@ def main() -> None:
         "choice_over_seed_claim": round(own.tokens_per_second_per_device / 156, 3),
     }
     out["seed_175b_64xH100_tokens_per_gpu"] = out["seed_175b_64xH100"]["choice_tokens_per_s_per_gpu"]
+    own_against_peers(out)
+    seed_rows(out)
     big = model_preset("llama3-405b")
     t0 = time.perf_counter()
     predict(big.init, optax.adamw(1e-4), jax.ShapeDtypeStruct((2048, 8192), jnp.int32), "1024xH100")
