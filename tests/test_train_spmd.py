@@ -33,8 +33,12 @@ def test_fsdp_8_devices_matches_one_device_for_20_steps():
     one_losses, one_params = _train("dp", build_mesh(MeshConfig(data=1), devices=jax.devices()[:1]), 20)
     np.testing.assert_allclose(fsdp_losses, one_losses, rtol=1e-5)
     assert fsdp_losses[-1] < fsdp_losses[0] - 1.0  # it learned
+    # 20 Adam steps normalise each update by its second moment, which magnifies float rounding (a sharded sum's
+    # order) in parameters with small gradients: the largest difference was 4.9e-6 with the old attention einsum
+    # and is 1.46e-5 in 1 element of 16,384 since 43ad42b regrouped it for grouped-query heads (the losses agree
+    # within 6e-7 relative both ways); a wrong gradient or update would miss by orders more
     for a, b in zip(jax.tree.leaves(fsdp_params), jax.tree.leaves(one_params), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=3e-5)
 
 
 def _argument_bytes(plan, mesh_config):
