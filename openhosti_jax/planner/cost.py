@@ -1,12 +1,14 @@
 """The analytic cost model: per-device memory and per-step time of a `ShardingPlan` for a `Workload`.
 
 Memory (bytes per device): parameters (in the precision policy's dtype) + optimizer state (with its fp32 master
-copy) as sharded, the local batch, and the step's temporaries,
-the larger of two peaks: the backward's start (every saved activation, the loss's included, the largest
-gradient leaf, and under ZeRO-3 the gathered full copy of each sharded leaf; the activations are those the remat
-and precision policies keep, from a trace under them, over the microbatch count) and the gradient reduction (XLA's
-combiner makes it one collective whose full input and output are both live; a native reduce-scatter's output is
-the sharded gradient). Time (seconds): matmul FLOPs (with the remat policy's recomputation) / (peak x the
+copy) as sharded, the local batch, and the step's temporaries, the largest of three peaks (`_Gradients`): the
+backward's start (every saved activation, the loss's included, and the output head's gathered copy and gradient;
+the activations are those the remat and precision policies keep, from a trace under them, over the microbatch
+count), the loop over a scanned layer stack (its gradient output in its reduced layout, one layer's gathered and
+unreduced leaves in flight: the loop reduces each layer's gradient) and the combined reduction of the unstacked
+gradients after the backward (full input and output both live; a native reduce-scatter's output is the sharded
+gradient; a ZeRO-3 leaf's is reduce-scattered where it is made). Time (seconds): matmul FLOPs (with the remat
+policy's recomputation) / (peak x the
 profile's matmul efficiency at each matmul's size on one device, `matmul_efficiency`), activation and
 optimizer-update bytes / memory bandwidth (measured for the step's working set: its predicted bytes per device), and
 every collective priced per message by the profile's link model (all-reduce 2(n-1)/n, all-gather and
