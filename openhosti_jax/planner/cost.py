@@ -406,8 +406,11 @@ class _Gradients(NamedTuple):
 def _gradients(lay: _Layout, grad_full: list[int]) -> _Gradients:
     if lay.stages > 1:
         return _pipelined_gradients(lay, grad_full)
+    mp = lay.mp
+    cast = mp.compute_dtype.itemsize / mp.param_dtype.itemsize if mp.compute_dtype != mp.param_dtype else 0.0
     stacked_out, flat, combined, combined_out, scattered = 0.0, [], 0.0, 0.0, 0.0
     flat_gathered, layer_leaf, layer_gathered = 0.0, 0.0, 0.0
+    kept_flat, kept_layers = 0.0, 0.0  # what remat "none" keeps of the gathered copies
     for g, x, ps, bs, gs, names in zip(
         grad_full, lay.params, lay.p_specs, lay.base, lay.g_specs, lay.names, strict=True
     ):
@@ -416,24 +419,19 @@ def _gradients(lay: _Layout, grad_full: list[int]) -> _Gradients:
             stacked_out += lay.local_bytes(x, gs)
             layer_leaf = max(layer_leaf, g / x.shape[0])
             layer_gathered = max(layer_gathered, 2 * g / x.shape[0] if gathered else 0.0)
+            # a scanned layer's cast copy is a residual of the loop; uncast, it is gathered again
+            kept_layers += g * cast if gathered else 0.0
             continue
         flat.append(g)
         flat_gathered = max(flat_gathered, g if gathered else 0.0)
         if gathered:
             scattered += lay.local_bytes(x, gs)
+            kept_flat += g  # one gather serves the forward and the backward
         else:
             combined += g
             combined_out += lay.local_bytes(x, gs)
     if lay.plan.remat == "none":  # every residual kept: the gathered weights stay from the forward to the backward
-        mp, cast = lay.mp, lay.mp.compute_dtype != lay.mp.param_dtype
-        flat_gathered = layer_gathered = 0.0
-        for g, ps, bs, names in zip(grad_full, lay.p_specs, lay.base, lay.names, strict=True):
-            if spec_axes(ps) == spec_axes(bs):
-                continue
-            if not lay.stacked(names):  # one gather serves the forward and the backward
-                flat_gathered += g
-            elif cast:  # a scanned layer's cast copy is a residual of the loop; uncast, it is gathered again
-                layer_gathered += g * mp.compute_dtype.itemsize / mp.param_dtype.itemsize
+        flat_gathered, layer_gathered = kept_flat, kept_layers
     start = flat_gathered + max(flat, default=0)
     return _Gradients(stacked_out, start, layer_gathered + layer_leaf, combined, combined_out, scattered)
 
@@ -534,18 +532,15 @@ def kv_width(work: Workload) -> tuple[int, int]:
     """
 
     def walk() -> tuple[int, int]:
-        kv, heads, layers = 0, 0, 1
-        for x, names in zip(jax.tree.leaves(work.params), logical_names(work.params), strict=True):
-            if not names:
-                continue
-            if names[0] == LAYER_AXIS:
-                layers = max(layers, int(x.shape[0]))
-            if names[-1] == "kv_heads":
+        kv, heads = 0, 0
+        names = work.memo(("names",), lambda: logical_names(work.params))  # as `_layout` reads them
+        for x, leaf_names in zip(jax.tree.leaves(work.params), names, strict=True):
+            if leaf_names and leaf_names[-1] == "kv_heads":
                 kv += int(x.shape[-1])
-            elif names[-1] == "heads":
+            elif leaf_names and leaf_names[-1] == "heads":
                 heads = max(heads, int(x.shape[-1]))
         width = kv or 2 * heads
-        return (width, layers) if width else (0, 0)
+        return (width, work.layer_count or 1) if width else (0, 0)
 
     return work.memo(("kv_width",), walk)
 

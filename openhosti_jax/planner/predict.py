@@ -191,18 +191,16 @@ def predict(
                 f"the mesh {sizes} spans {math.prod(sizes.values())} devices but the cluster has {c.n_devices}; "
                 "give axis sizes whose product is the device count"
             )
-        if sizes["stage"] > 1 and sizes["tensor"] > 1 and not c.stack.pipeline_tensor:
-            raise PlanningError(
-                f"the mesh {sizes} pipelines over a tensor axis, but the {c.stack.name!r} stack's pipeline stages "
-                "split only the batch (Stack.pipeline_tensor is False); drop the tensor axis, or price another "
-                "stack's pipeline (e.g. 'megatron-core')"
-            )
-        if sizes["stage"] > 1 and sizes.get("context", 1) > 1 and not c.stack.pipeline_context:
-            raise PlanningError(
-                f"the mesh {sizes} pipelines over a context axis, but the {c.stack.name!r} stack's pipeline stages "
-                "do not split sequences (Stack.pipeline_context is False); drop the context axis or the stages, or "
-                "price another stack's pipeline (e.g. 'megatron-core')"
-            )
+        for axis, splits, lacks in (
+            ("tensor", c.stack.pipeline_tensor, "split only the batch (Stack.pipeline_tensor is False)"),
+            ("context", c.stack.pipeline_context, "do not split sequences (Stack.pipeline_context is False)"),
+        ):
+            if sizes["stage"] > 1 and sizes.get(axis, 1) > 1 and not splits:
+                raise PlanningError(
+                    f"the mesh {sizes} pipelines over a {axis} axis, but the {c.stack.name!r} stack's pipeline "
+                    f"stages {lacks}; drop the {axis} axis or the stages, or price another stack's pipeline (e.g. "
+                    "'megatron-core')"
+                )
         sharded = sizes["data"] * sizes["fsdp"] > 1
         stage = (3 if sharded else 0) if zero is None else zero
         axes = ("fsdp",) if sizes["data"] > 1 and sizes["fsdp"] > 1 else ZERO_AXES
