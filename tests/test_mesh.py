@@ -8,7 +8,14 @@ from openhosti_jax.mesh import AXES, MeshConfig, build_mesh, initialize_distribu
 
 
 def test_resolve_infers_the_open_axis():
-    assert MeshConfig(data=-1, fsdp=2).resolve(8) == {"stage": 1, "data": 4, "fsdp": 2, "context": 1, "tensor": 1}
+    assert MeshConfig(data=-1, fsdp=2).resolve(8) == {
+        "stage": 1,
+        "data": 4,
+        "fsdp": 2,
+        "expert": 1,
+        "context": 1,
+        "tensor": 1,
+    }
     assert MeshConfig(stage=2, data=2, fsdp=-1, tensor=1).resolve(8)["fsdp"] == 2
 
 
@@ -28,7 +35,7 @@ def test_product_mismatch_is_a_typed_error_with_the_fix():
 def test_build_mesh_axes_and_devices():
     mesh = build_mesh(MeshConfig(data=2, fsdp=4))
     assert mesh.axis_names == AXES
-    assert mesh_sizes(mesh) == {"stage": 1, "data": 2, "fsdp": 4, "context": 1, "tensor": 1}
+    assert mesh_sizes(mesh) == {"stage": 1, "data": 2, "fsdp": 4, "expert": 1, "context": 1, "tensor": 1}
     assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in jax.devices())
     sub = build_mesh(MeshConfig(data=-1), devices=jax.devices()[:4])
     assert mesh_sizes(sub)["data"] == 4

@@ -36,7 +36,7 @@ def test_cluster_names_and_axis_placement():
     assert (v5p.hosts * v5p.devices_per_host, v5p.profile.name) == (64, "TPU v5p")
     # the innermost axes fill a host: tensor, then fsdp, then data, then stage
     f = cluster("64xH100").factors({"stage": 2, "data": 4, "fsdp": 4, "tensor": 2})
-    assert f == {"stage": (1, 2), "data": (1, 4), "fsdp": (4, 1), "context": (1, 1), "tensor": (2, 1)}
+    assert f == {"stage": (1, 2), "data": (1, 4), "fsdp": (4, 1), "expert": (1, 1), "context": (1, 1), "tensor": (2, 1)}
     with pytest.raises(PlanningError, match="unknown cluster"):
         cluster("64xB9000")
 

@@ -5,7 +5,7 @@ Example:
     >>> from openhosti_jax.mesh import MeshConfig, build_mesh
     >>> mesh = build_mesh(MeshConfig(data=-1))
     >>> mesh.axis_names
-    ('stage', 'data', 'fsdp', 'context', 'tensor')
+    ('stage', 'data', 'fsdp', 'expert', 'context', 'tensor')
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def _axis_types(config: MeshConfig) -> tuple[AxisType, ...]:
 
 def build_mesh(config: MeshConfig | None = None, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A mesh over ``devices`` (default: all) with axes `openhosti_jax.mesh.AXES`
-    (``("stage", "data", "fsdp", "context", "tensor")``).
+    (``("stage", "data", "fsdp", "expert", "context", "tensor")``).
 
     With ``config.dcn`` set (multi-slice or multi-host), devices are laid out by
     `mesh_utils.create_hybrid_device_mesh` so that the DCN factor of each axis spans slices/processes and the rest

@@ -3,7 +3,7 @@
 Example:
     >>> from openhosti_jax.mesh import MeshConfig
     >>> MeshConfig(data=-1, fsdp=2).resolve(8)
-    {'stage': 1, 'data': 4, 'fsdp': 2, 'context': 1, 'tensor': 1}
+    {'stage': 1, 'data': 4, 'fsdp': 2, 'expert': 1, 'context': 1, 'tensor': 1}
 """
 
 from __future__ import annotations
@@ -14,11 +14,18 @@ from typing import Literal
 
 from openhosti_jax.errors import MeshConfigError
 
-AXES: tuple[str, ...] = ("stage", "data", "fsdp", "context", "tensor")
+AXES: tuple[str, ...] = ("stage", "data", "fsdp", "expert", "context", "tensor")
 """Mesh axis names, outermost (slowest links) first."""
 
 BATCH_AXES: tuple[str, ...] = ("data", "fsdp")
 """Axes the global batch is split over (FSDP shards the batch too, as in ZeRO-3)."""
+
+EXPERT_AXIS = "expert"
+"""The axis a mixture-of-experts layer's routed experts are split over (`openhosti_jax.models.moe`); outside those
+layers it splits the batch's rows like ``data``."""
+
+TOKEN_AXES: tuple[str, ...] = (*BATCH_AXES, EXPERT_AXIS)
+"""Every axis a batch's rows may be split over: `BATCH_AXES`, and ``expert`` where it is larger than 1."""
 
 SEQUENCE_AXIS = "context"
 """The axis a batch's sequence dim (its second) is split over: context parallelism (`openhosti_jax.models.context`)."""
@@ -40,6 +47,9 @@ class MeshConfig:
     """Data-parallel replicas (parameters replicated, batch split)."""
     fsdp: Size = 1
     """Fully-sharded data parallel: batch split, parameters / optimizer state sharded."""
+    expert: Size = 1
+    """Expert parallel: a mixture-of-experts layer's routed experts split over it, tokens sent to their experts by
+    all-to-all; every other layer treats it as a data axis (batch split, ZeRO shards state over it)."""
     context: Size = 1
     """Context parallel: every sequence split along its length (attention passes keys and values between the
     shards, `openhosti_jax.models.context`); parameters replicated over it, gradients reduced over it."""

@@ -59,7 +59,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from openhosti_jax.errors import ConfigError, ShardingError
-from openhosti_jax.mesh.config import BATCH_AXES, SEQUENCE_AXIS
+from openhosti_jax.mesh.config import SEQUENCE_AXIS, TOKEN_AXES
 
 Strategy = Literal["ring", "all_gather"]
 """How a device gets the keys and values of the other sequence pieces."""
@@ -214,7 +214,7 @@ def _check(q: jax.Array, k: jax.Array, v: jax.Array, strategy: str, n: int, axis
 def _batch_axes(mesh: jax.sharding.AbstractMesh, rows: int) -> tuple[str, ...]:
     """The data-parallel axes of ``mesh`` the ``rows`` are split over inside the attention (those that divide)."""
     out, ways = [], 1
-    for a in BATCH_AXES:
+    for a in TOKEN_AXES:
         size = int(dict(mesh.shape).get(a, 1))
         if a in mesh.axis_names and a not in mesh.manual_axes and size > 1 and rows % (ways * size) == 0:
             out.append(a)

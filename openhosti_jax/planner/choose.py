@@ -6,7 +6,7 @@ Example:
     >>> from openhosti_jax.planner import choose_plan
     >>> p, report = choose_plan(nnx.Linear(512, 512, rngs=nnx.Rngs(0)), optax.adam(1e-3),
     ...                         jax.ShapeDtypeStruct((64, 512), jnp.float32), verify=False, device_profile="H100")
-    >>> sorted(p.mesh_shape) == ["context", "data", "fsdp", "stage", "tensor"], report.plan is p
+    >>> sorted(p.mesh_shape) == ["context", "data", "expert", "fsdp", "stage", "tensor"], report.plan is p
     (True, True)
 """
 

@@ -12,7 +12,7 @@ Example:
     >>> c.hosts, c.devices_per_host, c.n_devices
     (8, 8, 64)
     >>> c.factors({"stage": 1, "data": 8, "fsdp": 8, "tensor": 1})  # (ICI, DCN) per axis: data spans the hosts
-    {'stage': (1, 1), 'data': (1, 8), 'fsdp': (8, 1), 'context': (1, 1), 'tensor': (1, 1)}
+    {'stage': (1, 1), 'data': (1, 8), 'fsdp': (8, 1), 'expert': (1, 1), 'context': (1, 1), 'tensor': (1, 1)}
     >>> cluster("v5p-128").n_devices  # 128 TensorCores: 64 chips, one ICI domain
     64
     >>> c = cluster("2xv5p-128")  # multislice: two slices joined by DCN

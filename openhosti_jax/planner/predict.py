@@ -119,7 +119,7 @@ def parse_mesh(text: str) -> dict[str, int]:
     """``"fsdp=8,tensor=2"`` -> every axis of `openhosti_jax.mesh.AXES` with its size (1 where not named).
 
     >>> parse_mesh("fsdp=8,tensor=2")
-    {'stage': 1, 'data': 1, 'fsdp': 8, 'context': 1, 'tensor': 2}
+    {'stage': 1, 'data': 1, 'fsdp': 8, 'expert': 1, 'context': 1, 'tensor': 2}
     """
     sizes = dict.fromkeys(AXES, 1)
     for part in filter(None, (p.strip() for p in text.split(","))):

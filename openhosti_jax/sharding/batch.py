@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from openhosti_jax.errors import BatchError
-from openhosti_jax.mesh.config import BATCH_AXES
+from openhosti_jax.mesh.config import BATCH_AXES, TOKEN_AXES
 
 BatchSpec = P | Mapping[str, P]
 """One PartitionSpec for every leaf, or one per top-level key of a dict batch."""
@@ -62,8 +62,10 @@ def leaf_spec(spec: P, ndim: int) -> P:
 
 
 def default_batch_spec(mesh: Mesh) -> P:
-    """The leading dim over the mesh's data-parallel axes (``data``, ``fsdp``) that it has."""
-    axes = tuple(a for a in BATCH_AXES if a in mesh.axis_names)
+    """The leading dim over the mesh's data-parallel axes (``data``, ``fsdp``) that it has, and ``expert`` where it
+    is larger than 1."""
+    sizes = dict(mesh.shape)
+    axes = tuple(a for a in TOKEN_AXES if a in sizes and (a in BATCH_AXES or sizes[a] > 1))
     return P(axes if axes else None)
 
 

@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from openhosti_jax.errors import ShardingError
 from openhosti_jax.mesh.build import mesh_sizes
-from openhosti_jax.mesh.config import AXES, BATCH_AXES, SEQUENCE_AXIS
+from openhosti_jax.mesh.config import AXES, BATCH_AXES, EXPERT_AXIS, SEQUENCE_AXIS, TOKEN_AXES
 from openhosti_jax.policies.precision import precision as resolve_precision
 from openhosti_jax.policies.remat import check_remat
 from openhosti_jax.sharding.batch import leaf_spec
@@ -37,15 +37,17 @@ from openhosti_jax.sharding.zero import ZERO_AXES, Optimizer, zero_specs
 
 
 def batch_spec_for(mesh_shape: Mapping[str, int]) -> P:
-    """The default batch spec on a mesh of ``mesh_shape``: rows over the data-parallel axes, and the sequence (a
-    leaf's second dim) over ``context`` where that axis is larger than 1.
+    """The default batch spec on a mesh of ``mesh_shape``: rows over the data-parallel axes (and ``expert`` where
+    that axis is larger than 1: outside the experts it is a data axis), and the sequence (a leaf's second dim) over
+    ``context`` where that axis is larger than 1.
 
-    >>> batch_spec_for({"data": 2, "context": 4}), batch_spec_for({"data": 8})
-    (P(('data', 'fsdp'), 'context'), P(('data', 'fsdp'),))
+    >>> batch_spec_for({"data": 2, "context": 4}), batch_spec_for({"data": 8}), batch_spec_for({"expert": 4})
+    (P(('data', 'fsdp'), 'context'), P(('data', 'fsdp'),), P(('data', 'fsdp', 'expert'),))
     """
+    rows = TOKEN_AXES if int(mesh_shape.get(EXPERT_AXIS, 1)) > 1 else BATCH_AXES
     if int(mesh_shape.get(SEQUENCE_AXIS, 1)) > 1:
-        return P(BATCH_AXES, SEQUENCE_AXIS)
-    return P(BATCH_AXES)
+        return P(rows, SEQUENCE_AXIS)
+    return P(rows)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

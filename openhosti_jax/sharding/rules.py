@@ -30,6 +30,7 @@ Rules = Sequence[tuple[str, str | None]]
 DEFAULT_RULES: tuple[tuple[str, str | None], ...] = (
     ("batch", "data"),
     ("batch", "fsdp"),
+    ("experts", "expert"),
     ("mlp", "tensor"),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
@@ -39,7 +40,12 @@ DEFAULT_RULES: tuple[tuple[str, str | None], ...] = (
     ("kv", None),
     ("norm", None),
 )
-"""Tensor-parallel rules: hidden and head dims on ``tensor``; ZeRO adds ``data``/``fsdp`` on top per stage."""
+"""Tensor-parallel rules: hidden and head dims on ``tensor``, a mixture-of-experts layer's stacked experts on
+``expert``; ZeRO adds ``data``/``fsdp`` (and ``expert`` where a leaf does not hold it) on top per stage."""
+
+EXPERTS = "experts"
+"""The logical name of a stacked experts dimension (`openhosti_jax.models.moe`): always split over the ``expert``
+axis, even by a plan that applies no other rule (`expert_specs`)."""
 
 LAYER_AXIS = "layers"
 """The logical name of a stacked (scanned) layer dimension, as MaxText and the flax examples name it: never sharded
@@ -82,6 +88,39 @@ def logical_spec(names: Sequence[str | None], shape: Sequence[int], sizes: Mappi
             used.add(chosen)
         out.append(chosen)
     return P(*out)
+
+
+def expert_specs(params: Any, sizes: Mapping[str, int]) -> list[P]:
+    """One spec per array leaf: the dim named `EXPERTS` over the ``expert`` axis where that axis is larger than 1,
+    every other dim unsplit; `ShardingError` naming each leaf whose experts the axis does not divide.
+
+    >>> import jax, jax.numpy as jnp
+    >>> from flax import nnx
+    >>> w = nnx.Param(jnp.zeros((8, 4, 16)), out_sharding=("experts", "embed", "mlp"), eager_sharding=False)
+    >>> expert_specs({"w": w, "b": jnp.zeros(3)}, {"expert": 4})
+    [P(None,), P('expert', None, None)]
+    """
+    n = int(sizes.get("expert", 1))
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    out, problems = [], []
+    for (path, leaf), names in zip(flat, logical_names(params), strict=True):
+        spec: list[str | None] = [None] * len(leaf.shape)
+        if n > 1 and names and EXPERTS in names:
+            d = names.index(EXPERTS)
+            if leaf.shape[d] % n:
+                problems.append(
+                    f"params{jax.tree_util.keystr(path)}: {leaf.shape[d]} experts (dim {d} of shape "
+                    f"{tuple(leaf.shape)}) do not divide over the 'expert' axis of size {n}"
+                )
+            spec[d] = "expert"
+        out.append(P(*spec))
+    if problems:
+        raise ShardingError(
+            "experts must split evenly over the 'expert' axis:\n  "
+            + "\n  ".join(problems)
+            + "\nuse an 'expert' axis size that divides the expert count"
+        )
+    return out
 
 
 def _is_box(x: Any) -> bool:

@@ -25,11 +25,12 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from openhosti_jax.errors import PlanningError
-from openhosti_jax.sharding.rules import LAYER_AXIS, logical_names
+from openhosti_jax.sharding.rules import LAYER_AXIS, expert_specs, logical_names
 from openhosti_jax.sharding.specs import DEFAULT_MIN_ELEMENTS, auto_spec, is_spec
 
-ZERO_AXES: tuple[str, ...] = ("data", "fsdp")
-"""The data-parallel axes ZeRO shards state over."""
+ZERO_AXES: tuple[str, ...] = ("data", "fsdp", "expert")
+"""The data-parallel axes ZeRO shards state over (``expert`` is one outside the experts; a leaf of stacked experts,
+split over it already, is sharded over the others)."""
 
 
 Optimizer = optax.GradientTransformation | Any
@@ -113,12 +114,13 @@ def zero_specs(
     """(param specs, gradient specs, optimizer-state specs) for ZeRO ``stage`` over ``axes``.
 
     ``base_specs`` are specs already chosen for other reasons (tensor parallelism, user annotations); ZeRO adds
-    the data-parallel axes on top of them.
+    the data-parallel axes on top of them. Without them, leaves of stacked experts (logical name ``"experts"``) are
+    split over ``expert`` (`openhosti_jax.sharding.rules.expert_specs`) and the rest start unsplit.
     """
     if stage not in (0, 1, 2, 3):
         raise PlanningError(f"ZeRO stage must be 0, 1, 2 or 3, found {stage!r}")
     if base_specs is None:
-        base_specs = jax.tree.map(lambda leaf: P(*([None] * len(leaf.shape))), params)
+        base_specs = jax.tree.unflatten(jax.tree.structure(params), expert_specs(params, sizes))
     leaves, treedef = jax.tree.flatten(params)
     bases = jax.tree.leaves(base_specs, is_leaf=is_spec)
     names = logical_names(params)
