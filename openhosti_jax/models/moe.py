@@ -29,21 +29,24 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from openhosti_jax.errors import BatchError, ConfigError, ShardingError
+from openhosti_jax.mesh.config import BATCH_AXES, EXPERT_AXIS
 from openhosti_jax.models.checks import dtype_problem, finite_number, positive_ints
 
 _POSITIVE_INTS = ("d_model", "d_ff", "num_experts", "top_k")
 _EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
 _SHARED_WEIGHTS = ("shared_gate", "shared_up", "shared_down")
+TENSOR_AXIS = "tensor"
+"""The axis `moe_layer` splits the experts' hidden width over, where the mesh has it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,6 +256,7 @@ def _ep_local(
     cfg: MoEConfig,
     expert_axis: str,
     token_axes: tuple[str, ...],
+    tensor_axis: str | None,
     n_ep: int,
     tokens: int,
 ) -> tuple[jax.Array, MoEAux]:
@@ -303,6 +307,8 @@ def _ep_local(
         per = _gather_buffer(exchange(out).reshape(e, slots, d), r)
         dropped = jnp.sum(~r.kept).astype(jnp.int32)
     y = _combine(cfg, w, xt, r, per)
+    if tensor_axis is not None:  # each tensor rank holds a slice of every hidden width: its outputs are partial
+        y = jax.lax.psum(y, tensor_axis)
     aux = _aux(cfg, r, counts, dropped, lambda v: jax.lax.psum(v, token_axes), tokens)
     return y.reshape(shape), aux
 
@@ -311,49 +317,61 @@ def expert_parallel(
     cfg: MoEConfig,
     w: dict[str, jax.Array],
     x: jax.Array,
-    mesh: Mesh,
+    mesh: Mesh | AbstractMesh,
     *,
     expert_axis: str = "expert",
-    data_axis: str | None = "data",
+    data_axis: str | Sequence[str] | None = "data",
+    tensor_axis: str | None = None,
 ) -> tuple[jax.Array, MoEAux]:
     """The block with its experts split over ``mesh``'s ``expert_axis`` under `jax.shard_map`: equal to
     `moe_forward` (the same tokens dropped in capacity mode), as ``(y, aux)``.
 
-    ``x`` ``(batch, ..., d_model)`` is split on ``batch`` over ``data_axis`` x ``expert_axis`` (``data_axis=None``:
-    ``expert_axis`` alone); the routed experts' weights over ``expert_axis`` (replicated over ``data_axis``), the
-    router and shared experts replicated. Tokens go to their experts' devices and back by two
-    `jax.lax.all_to_all` over ``expert_axis``. Dropless exchanges are padded to the worst case (every local
-    assignment bound for one device): each device receives ``expert`` x its local assignments' rows. In capacity
-    mode the capacity is the whole call's, as on one device: an all-gather of the per-expert counts gives each
-    assignment its slot among all tokens (shards in token order), so the same assignments are dropped, and each
-    device sends ``min(capacity, local tokens)`` slots per expert. The aux losses and metrics are summed over the
-    token shards. On a mesh of `jax.sharding.AxisType.Explicit` axes the inputs are resharded to these specs and
-    ``y`` back to ``x``'s.
+    ``x`` ``(batch, ..., d_model)`` is split on ``batch`` over ``data_axis`` (one axis or several) x
+    ``expert_axis`` (``data_axis=None``: ``expert_axis`` alone); the routed experts' weights over ``expert_axis``
+    (replicated over ``data_axis``), the router and shared experts replicated. With ``tensor_axis`` (an axis of
+    ``mesh`` larger than 1 that divides ``d_ff`` and the shared width) each expert's hidden width is split over it
+    too, Megatron style, and the output summed over it once (`jax.lax.psum`); other axes of ``mesh`` compute the
+    block redundantly. Tokens go to their experts' devices and back by two `jax.lax.all_to_all` over
+    ``expert_axis``. Dropless exchanges are padded to the worst case (every local assignment bound for one device):
+    each device receives ``expert`` x its local assignments' rows. In capacity mode the capacity is the whole
+    call's, as on one device: an all-gather of the per-expert counts gives each assignment its slot among all
+    tokens (shards in token order), so the same assignments are dropped, and each device sends
+    ``min(capacity, local tokens)`` slots per expert. The aux losses and metrics are summed over the token shards.
+    ``mesh`` may be the ambient abstract mesh (`jax.sharding.get_abstract_mesh`); axes already manual there are
+    left alone. On `jax.sharding.AxisType.Explicit` axes the inputs are resharded to these specs and ``y`` back to
+    ``x``'s.
     """
     names = mesh.axis_names
+    sizes = dict(mesh.shape)
     if expert_axis not in names:
         raise ShardingError(f"expected an expert axis {expert_axis!r} in the mesh, found axes {names}")
-    if data_axis is not None and data_axis not in names:
+    data_axes = () if data_axis is None else (data_axis,) if isinstance(data_axis, str) else tuple(data_axis)
+    missing = [a for a in data_axes if a not in names]
+    if missing:
         raise ShardingError(
-            f"expected a data axis {data_axis!r} in the mesh, found axes {names}; pass data_axis=None to split the "
+            f"expected data axes {missing} in the mesh, found axes {names}; pass data_axis=None to split the "
             "tokens over the expert axis alone"
         )
-    n_ep = mesh.shape[expert_axis]
+    n_ep = int(sizes[expert_axis])
     if cfg.num_experts % n_ep:
         raise ShardingError(
             f"the {expert_axis!r} axis has size {n_ep}, which does not divide num_experts={cfg.num_experts}; use a "
             f"mesh whose {expert_axis!r} size divides it"
         )
-    token_axes = (expert_axis,) if data_axis is None else (data_axis, expert_axis)
-    shards = math.prod(mesh.shape[a] for a in token_axes)
+    token_axes = (*data_axes, expert_axis)
+    shards = math.prod(int(sizes[a]) for a in token_axes)
     if x.ndim < 2 or x.shape[-1] != cfg.d_model or x.shape[0] % shards:
         raise BatchError(
             f"expected x (batch, ..., d_model={cfg.d_model}) with batch divisible by {shards} "
             f"({' x '.join(token_axes)}), found shape {tuple(x.shape)}"
         )
-    specs = {n: P(expert_axis) if n in _EXPERT_WEIGHTS else P() for n in w}
+    t_ax = tensor_axis if _splits_hidden(cfg, sizes, tensor_axis) else None
+    specs = {n: _weight_spec(n, expert_axis, t_ax) for n in w}
     x_spec = P(token_axes)
-    explicit = all(t == AxisType.Explicit for t in mesh.axis_types)
+    manual = set(getattr(mesh, "manual_axes", ()))
+    free = [a for a in names if a not in manual]
+    types = dict(zip(names, mesh.axis_types, strict=True))
+    explicit = any(types[a] == AxisType.Explicit for a in free)
     if explicit:  # shard_map then wants its inputs placed as specified; y goes back to x's placement
         x_placed = jax.typeof(x).sharding.spec
         w = {n: jax.reshard(v, NamedSharding(mesh, specs[n])) for n, v in w.items()}
@@ -363,15 +381,78 @@ def expert_parallel(
         cfg=cfg,
         expert_axis=expert_axis,
         token_axes=token_axes,
+        tensor_axis=t_ax,
         n_ep=n_ep,
         tokens=math.prod(x.shape[:-1]),
     )
     aux_spec = MoEAux(*(P(),) * len(MoEAux._fields))
-    y, aux = jax.shard_map(local, mesh=mesh, in_specs=(specs, x_spec), out_specs=(x_spec, aux_spec))(w, x)
+    y, aux = jax.shard_map(
+        local, mesh=mesh, in_specs=(specs, x_spec), out_specs=(x_spec, aux_spec), axis_names=set(free)
+    )(w, x)
     return (jax.reshard(y, NamedSharding(mesh, x_placed)) if explicit else y), aux
 
 
+def _splits_hidden(cfg: MoEConfig, sizes: dict[str, int], tensor_axis: str | None) -> bool:
+    """Whether `expert_parallel` splits the experts' hidden width over ``tensor_axis``."""
+    if tensor_axis is None or int(sizes.get(tensor_axis, 1)) <= 1:
+        return False
+    t = int(sizes[tensor_axis])
+    return cfg.d_ff % t == 0 and (cfg.num_shared_experts * cfg.d_ff) % t == 0
+
+
+def _weight_spec(name: str, expert_axis: str, tensor_axis: str | None) -> P:
+    """A weight's spec inside `expert_parallel`: routed experts over ``expert_axis``, hidden widths over
+    ``tensor_axis`` (None: unsplit), the router replicated."""
+    return {
+        "w_gate": P(expert_axis, None, tensor_axis),
+        "w_up": P(expert_axis, None, tensor_axis),
+        "w_down": P(expert_axis, tensor_axis, None),
+        "shared_gate": P(None, tensor_axis),
+        "shared_up": P(None, tensor_axis),
+        "shared_down": P(tensor_axis, None),
+    }.get(name, P())
+
+
+def moe_layer(
+    cfg: MoEConfig, w: dict[str, jax.Array], x: jax.Array, mesh: Mesh | AbstractMesh | None = None
+) -> tuple[jax.Array, MoEAux]:
+    """The block as a model runs it: under a mesh (default: the ambient one, `jax.set_mesh`) with an ``expert``
+    axis, `expert_parallel` with the tokens over the mesh's data-parallel axes that divide the batch and
+    ``expert``, and the experts' hidden width over ``tensor`` where it divides; else `moe_forward`.
+
+    >>> import jax, numpy as np
+    >>> cfg = MoEConfig(d_model=8, d_ff=16, num_experts=4, top_k=2)
+    >>> w = MoEBlock(cfg, rngs=nnx.Rngs(0)).weights()
+    >>> x = jax.numpy.asarray(np.random.default_rng(0).normal(size=(8, 4, 8)), jax.numpy.float32)
+    >>> mesh = jax.make_mesh((2, 4), ("data", "expert"))
+    >>> with jax.set_mesh(mesh):
+    ...     y, aux = jax.jit(moe_layer, static_argnums=0)(cfg, w, x)
+    >>> y1, aux1 = moe_forward(cfg, w, x)
+    >>> bool(jax.numpy.allclose(y, y1, atol=1e-6)), aux.expert_counts.tolist() == aux1.expert_counts.tolist()
+    (True, True)
+    """
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+    manual = set(getattr(mesh, "manual_axes", ()))
+    if mesh.empty or EXPERT_AXIS not in mesh.axis_names or EXPERT_AXIS in manual:
+        return moe_forward(cfg, w, x)
+    sizes = dict(mesh.shape)
+    rows, ways = [], 1
+    for a in BATCH_AXES:
+        n = int(sizes.get(a, 1))
+        if a in sizes and a not in manual and n > 1 and x.shape[0] % (ways * n) == 0:
+            rows.append(a)
+            ways *= n
+    tensor = TENSOR_AXIS if TENSOR_AXIS in sizes and TENSOR_AXIS not in manual else None
+    return expert_parallel(cfg, w, x, mesh, expert_axis=EXPERT_AXIS, data_axis=rows, tensor_axis=tensor)
+
+
 _INIT = nnx.initializers.normal(0.02)
+
+
+def _named(*names: str | None) -> dict[str, Any]:
+    """Logical dim names (`openhosti_jax.sharding.rules`: ``"experts"`` over ``expert``, ``"mlp"`` over
+    ``tensor``), applied by the plan, not at init."""
+    return {"out_sharding": names, "eager_sharding": False}
 
 
 class MoEBlock(nnx.Module):
@@ -383,15 +464,15 @@ class MoEBlock(nnx.Module):
     def __init__(self, cfg: MoEConfig, *, rngs: nnx.Rngs):
         d, f, e = cfg.d_model, cfg.d_ff, cfg.num_experts
         self.cfg = cfg
-        self.router = nnx.Param(_INIT(rngs.params(), (d, e), jnp.float32))
-        self.w_gate = nnx.Param(_INIT(rngs.params(), (e, d, f), jnp.float32))
-        self.w_up = nnx.Param(_INIT(rngs.params(), (e, d, f), jnp.float32))
-        self.w_down = nnx.Param(_INIT(rngs.params(), (e, f, d), jnp.float32))
+        self.router = nnx.Param(_INIT(rngs.params(), (d, e), jnp.float32), **_named("embed", None))
+        self.w_gate = nnx.Param(_INIT(rngs.params(), (e, d, f), jnp.float32), **_named("experts", "embed", "mlp"))
+        self.w_up = nnx.Param(_INIT(rngs.params(), (e, d, f), jnp.float32), **_named("experts", "embed", "mlp"))
+        self.w_down = nnx.Param(_INIT(rngs.params(), (e, f, d), jnp.float32), **_named("experts", "mlp", "embed"))
         if cfg.num_shared_experts:
             s = cfg.num_shared_experts * f
-            self.shared_gate = nnx.Param(_INIT(rngs.params(), (d, s), jnp.float32))
-            self.shared_up = nnx.Param(_INIT(rngs.params(), (d, s), jnp.float32))
-            self.shared_down = nnx.Param(_INIT(rngs.params(), (s, d), jnp.float32))
+            self.shared_gate = nnx.Param(_INIT(rngs.params(), (d, s), jnp.float32), **_named("embed", "mlp"))
+            self.shared_up = nnx.Param(_INIT(rngs.params(), (d, s), jnp.float32), **_named("embed", "mlp"))
+            self.shared_down = nnx.Param(_INIT(rngs.params(), (s, d), jnp.float32), **_named("mlp", "embed"))
 
     def weights(self) -> dict[str, jax.Array]:
         """The parameters' values by name, as `moe_forward` and `expert_parallel` take them."""
