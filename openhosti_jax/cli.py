@@ -370,7 +370,10 @@ def build_parser() -> argparse.ArgumentParser:
         "fixed configuration (--mesh and the flags after it).",
     )
     pr.add_argument(
-        "--model", default=None, help="preset: gpt3-175b, bert-large, llama2-7b/70b, llama3-8b/70b/405b, sdxl-unet"
+        "--model",
+        default=None,
+        help="preset: gpt3-175b, bert-large, llama2-7b/70b, llama3-8b/70b/405b, mixtral-8x7b, deepseek-moe-16b, "
+        "sdxl-unet",
     )
     for flag in ("layers", "d-model", "heads", "kv-heads", "ffn", "vocab", "seq"):
         pr.add_argument(f"--{flag}", type=int, default=None, help=f"model {flag} (without --model; --seq also with)")

@@ -1,7 +1,12 @@
 """A Llama-family decoder (Flax nnx): RMSNorm, rotary positions, grouped KV heads, SwiGLU MLP, no biases.
 
-Presets (`LlamaConfig.llama2_7b`, ..., `LlamaConfig.llama3_405b`) carry the published shapes, for planning at
-scale with ``jax.eval_shape``; `LlamaConfig.tiny` is for tests.
+Presets (`LlamaConfig.llama2_7b`, ..., `LlamaConfig.llama3_405b`, and the mixtures of experts
+`LlamaConfig.mixtral_8x7b` and `LlamaConfig.deepseek_moe_16b`) carry the published shapes, for planning at scale with
+``jax.eval_shape``; `LlamaConfig.tiny` is for tests.
+
+With ``num_experts`` > 0 the MLPs (after ``first_dense_layers`` dense ones) are mixture-of-experts blocks
+(`openhosti_jax.models.moe`): ``model(tokens, with_aux=True)`` returns ``(logits, aux)``, ``aux`` the blocks'
+`MoEAux` stacked over the MoE layers, whose ``aux.loss.sum()`` the training loss adds (`moe_loss`).
 
 Example:
     >>> import jax.numpy as jnp
@@ -12,6 +17,13 @@ Example:
     (2, 16, 256)
     >>> LlamaConfig.llama3_8b().num_params()
     8030261248
+    >>> moe = Llama(LlamaConfig.tiny(num_experts=4, top_k=2), rngs=nnx.Rngs(0))
+    >>> logits, aux = moe(jnp.zeros((2, 16), jnp.int32), with_aux=True)
+    >>> logits.shape, aux.expert_counts.shape, int(aux.expert_counts.sum())  # 2 layers x 4 experts, 32 tokens x 2
+    ((2, 16, 256), (2, 4), 128)
+    >>> m = LlamaConfig.mixtral_8x7b()
+    >>> f"{m.num_params() / 1e9:.2f}B total, {m.active_params() / 1e9:.2f}B active"
+    '46.70B total, 12.88B active'
 """
 
 from __future__ import annotations
@@ -27,6 +39,7 @@ from openhosti_jax.errors import ConfigError, StateError
 from openhosti_jax.models.attention import KERNELS, causal_attention
 from openhosti_jax.models.checks import dtype_problem, finite_number, positive_ints
 from openhosti_jax.models.context import STRATEGIES
+from openhosti_jax.models.moe import MoEAux, MoEBlock, MoEConfig, moe_layer
 from openhosti_jax.policies.remat import keep
 from openhosti_jax.sharding.rules import LAYER_AXIS
 from openhosti_jax.state.blocks import stack_modules
@@ -70,6 +83,23 @@ class LlamaConfig:
     attention_kernel: str = "auto"
     """The attention kernel (`openhosti_jax.models.attention.KERNELS`): ``"auto"`` runs cuDNN's fused attention on a
     GPU in bf16/fp16 and XLA's elsewhere; ``"cudnn"`` on a backend without it is a `ConfigError` when traced."""
+    num_experts: int = 0
+    """Routed experts per MoE layer; 0: every MLP dense (a plain Llama)."""
+    top_k: int = 2
+    """Experts each token is routed to (MoE only; at most ``num_experts``)."""
+    moe_ffn: int | None = None
+    """SwiGLU hidden width of each routed (and shared) expert; None: ``ffn``."""
+    shared_experts: int = 0
+    """Experts every token goes through besides its routed ones (DeepSeekMoE)."""
+    first_dense_layers: int = 0
+    """Leading layers whose MLP stays dense (width ``ffn``), as DeepSeekMoE's first; the rest are MoE."""
+    capacity_factor: float | None = None
+    """MoE dispatch: None dropless (grouped matmul), else capacity-based with this factor (tokens over capacity
+    dropped; `openhosti_jax.models.moe.MoEConfig.capacity`)."""
+    aux_loss_weight: float = 0.01
+    """Weight of each MoE layer's load-balancing loss in ``aux.loss``."""
+    router_z_loss_weight: float = 0.0
+    """Weight of each MoE layer's router z-loss in ``aux.loss``."""
 
     def __post_init__(self) -> None:
         bad, problems = positive_ints({k: getattr(self, k) for k in _POSITIVE_INTS}, _POSITIVE_INTS)
@@ -94,8 +124,52 @@ class LlamaConfig:
             problems.append(f"context_strategy={self.context_strategy!r} must be one of {STRATEGIES}")
         if self.attention_kernel not in KERNELS:
             problems.append(f"attention_kernel={self.attention_kernel!r} must be one of {KERNELS}")
+        problems += self._moe_problems(bad)
         if problems:
             raise ConfigError("invalid LlamaConfig: " + "; ".join(problems))
+
+    def _moe_problems(self, bad: set[str]) -> list[str]:
+        e = self.num_experts
+        if not isinstance(e, int) or isinstance(e, bool) or e < 0:
+            return [f"num_experts={e!r} must be an int >= 0 (0: dense)"]
+        if e == 0:
+            return []
+        problems = []
+        f = self.first_dense_layers
+        if not isinstance(f, int) or isinstance(f, bool) or f < 0 or ("n_layers" not in bad and f >= self.n_layers):
+            problems.append(f"first_dense_layers={f!r} must be an int in [0, n_layers={self.n_layers})")
+        if self.moe_ffn is not None:
+            problems += positive_ints({"moe_ffn": self.moe_ffn}, ("moe_ffn",))[1]
+        if not problems and not bad & {"d_model", "ffn"}:
+            try:
+                self.moe_config()
+            except ConfigError as err:
+                problems.append(str(err).removeprefix("invalid MoEConfig: "))
+        return problems
+
+    @property
+    def moe_layers(self) -> int:
+        """Layers whose MLP is a mixture of experts."""
+        return self.n_layers - self.first_dense_layers if self.num_experts else 0
+
+    @property
+    def dispatch(self) -> str:
+        """``"dropless"`` or ``"capacity"`` (from ``capacity_factor``)."""
+        return "dropless" if self.capacity_factor is None else "capacity"
+
+    def moe_config(self) -> MoEConfig:
+        """The `MoEConfig` of each MoE layer (`ConfigError` where the fields make none)."""
+        return MoEConfig(
+            d_model=self.d_model,
+            d_ff=self.ffn if self.moe_ffn is None else self.moe_ffn,
+            num_experts=self.num_experts,
+            top_k=self.top_k,
+            num_shared_experts=self.shared_experts,
+            capacity_factor=self.capacity_factor,
+            aux_loss_weight=self.aux_loss_weight,
+            router_z_loss_weight=self.router_z_loss_weight,
+            dtype=self.dtype,
+        )
 
     @property
     def head_dim(self) -> int:
@@ -145,27 +219,89 @@ class LlamaConfig:
             **{**_LLAMA3, "d_model": 16384, "n_heads": 128, "n_kv_heads": 8, "ffn": 53248, "n_layers": 126, **kw}
         )
 
-    def _matmul_params_per_layer(self) -> int:
+    @classmethod
+    def mixtral_8x7b(cls, **kw: Any) -> LlamaConfig:
+        """Mixtral 8x7B (Mistral AI, 2024; 46.7B parameters, 12.9B active): 32 layers of width 4096, 32 query heads
+        over 8 kv heads, 8 experts of SwiGLU width 14336, top-2, vocab 32000, 32768-token context, RoPE base 1e6."""
+        return cls(
+            **{
+                "vocab_size": 32000,
+                "seq_len": 32768,
+                "d_model": 4096,
+                "n_heads": 32,
+                "n_kv_heads": 8,
+                "ffn": 14336,
+                "n_layers": 32,
+                "rope_theta": 1e6,
+                "norm_eps": 1e-5,
+                "num_experts": 8,
+                "top_k": 2,
+                **kw,
+            }
+        )
+
+    @classmethod
+    def deepseek_moe_16b(cls, **kw: Any) -> LlamaConfig:
+        """DeepSeekMoE 16B (DeepSeek-AI, 2024; 16.4B parameters, 2.8B active): 28 layers of width 2048, 16 heads,
+        vocab 102400, 4096-token context; the first layer's MLP dense (width 10944), the other 27 of 64 fine-grained
+        routed experts (width 1408, top-6) and 2 shared ones."""
+        return cls(
+            **{
+                "vocab_size": 102400,
+                "seq_len": 4096,
+                "d_model": 2048,
+                "n_heads": 16,
+                "n_kv_heads": 16,
+                "ffn": 10944,
+                "n_layers": 28,
+                "norm_eps": 1e-6,
+                "num_experts": 64,
+                "top_k": 6,
+                "moe_ffn": 1408,
+                "shared_experts": 2,
+                "first_dense_layers": 1,
+                **kw,
+            }
+        )
+
+    def _attention_params_per_layer(self) -> int:
         d, kv = self.d_model, self.n_kv_heads * self.head_dim
-        return 2 * d * d + 2 * d * kv + 3 * d * self.ffn  # q, o; k, v; gate, up, down
+        return 2 * d * d + 2 * d * kv  # q, o; k, v
+
+    def _matmul_params(self, active: bool) -> int:
+        """Matmul weights of all layers (``active``: those one token runs through: its ``top_k`` routed experts)."""
+        dense = self._attention_params_per_layer() + 3 * self.d_model * self.ffn
+        if not self.num_experts:
+            return self.n_layers * dense
+        m = self.moe_config()
+        experts = (m.top_k if active else m.num_experts) + m.num_shared_experts
+        moe = self._attention_params_per_layer() + self.d_model * m.num_experts + 3 * self.d_model * m.d_ff * experts
+        return self.first_dense_layers * dense + self.moe_layers * moe
 
     def num_params(self) -> int:
         """Exact parameter count (embeddings included; the head once more unless tied), from the shapes alone."""
         d, v = self.d_model, self.vocab_size
-        per_layer = self._matmul_params_per_layer() + 2 * d  # + two RMSNorm weights
-        return v * d + self.n_layers * per_layer + d + (0 if self.tie_embeddings else d * v)
+        norms = self.n_layers * 2 * d + d
+        return v * d + self._matmul_params(False) + norms + (0 if self.tie_embeddings else d * v)
+
+    def active_params(self) -> int:
+        """Parameters one token runs through: `num_params` with each MoE layer's routed experts counted ``top_k``
+        times, not ``num_experts`` (the same for a dense model)."""
+        return self.num_params() - self._matmul_params(False) + self._matmul_params(True)
 
     def flops_per_token(self) -> int:
-        """Training FLOPs per token at ``seq_len``: 3 x the forward's matmuls (backward = 2 x forward).
+        """Training FLOPs per token at ``seq_len``: 3 x the forward's matmuls (backward = 2 x forward), over the
+        active parameters.
 
-        ``6 * (n_layers * matmul params per layer + d_model * vocab_size) + 12 * n_layers * d_model * seq_len``: a
-        matmul with P weights costs 2P FLOPs per token; the head is a matmul, tied or not, the embedding lookup is
-        not; attention scores ``q.k`` and the weighted sum of values cost ``2 * seq_len * d_model`` each per token
-        and layer, counted over the full ``seq_len x seq_len`` square (as in `GPTConfig.flops_per_token`: no
-        causal halving). Norms, RoPE, softmax and SiLU are not counted.
+        ``6 * (active matmul params + d_model * vocab_size) + 12 * n_layers * d_model * seq_len``: a matmul with P
+        weights costs 2P FLOPs per token; an MoE layer's are its router, ``top_k`` routed experts and the shared
+        ones (dispatch, padding and dropped tokens not counted); the head is a matmul, tied or not, the embedding
+        lookup is not; attention scores ``q.k`` and the weighted sum of values cost ``2 * seq_len * d_model`` each
+        per token and layer, counted over the full ``seq_len x seq_len`` square (as in `GPTConfig.flops_per_token`:
+        no causal halving). Norms, RoPE, softmax and SiLU are not counted.
         """
         d, s = self.d_model, self.seq_len
-        return 6 * (self.n_layers * self._matmul_params_per_layer() + d * self.vocab_size) + 12 * self.n_layers * d * s
+        return 6 * (self._matmul_params(True) + d * self.vocab_size) + 12 * self.n_layers * d * s
 
 
 _LLAMA2: dict[str, Any] = {"vocab_size": 32000, "seq_len": 4096, "rope_theta": 10000.0, "norm_eps": 1e-5}
@@ -215,9 +351,10 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 class Block(nnx.Module):
-    """Pre-norm block: ``x + attn(norm(x))``, then ``x + down(silu(gate(h)) * up(h))`` with ``h = norm(x)``."""
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + down(silu(gate(h)) * up(h))`` with ``h = norm(x)``; with
+    ``moe``, ``x + moe(h)`` (`openhosti_jax.models.moe.moe_layer`) and the call returns ``(x, aux)``."""
 
-    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, moe: bool = False):
         d, dt = cfg.d_model, jnp.dtype(cfg.dtype)
         kv = cfg.n_kv_heads * cfg.head_dim
 
@@ -233,9 +370,12 @@ class Block(nnx.Module):
         self.wv = dense(d, kv, "embed", "kv_heads")
         self.wo = dense(d, d, "heads", "embed")  # row-parallel: one all-reduce per attention
         self.mlp_norm = RMSNorm(d, cfg.norm_eps, dt)
-        self.gate = dense(d, cfg.ffn, "embed", "mlp")
-        self.up = dense(d, cfg.ffn, "embed", "mlp")
-        self.down = dense(cfg.ffn, d, "mlp", "embed")
+        if moe:
+            self.moe = MoEBlock(cfg.moe_config(), rngs=rngs)
+        else:
+            self.gate = dense(d, cfg.ffn, "embed", "mlp")
+            self.up = dense(d, cfg.ffn, "embed", "mlp")
+            self.down = dense(cfg.ffn, d, "mlp", "embed")
 
     def attention(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
         """Causal grouped-query self-attention of normed ``x`` ``(batch, seq, d_model)``."""
@@ -252,20 +392,37 @@ class Block(nnx.Module):
         y = keep(y.reshape(b, s, d))
         return self.wo(y)
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array | tuple[jax.Array, MoEAux]:
         x = x + self.attention(self.attn_norm(x), cos, sin)
         h = self.mlp_norm(x)
+        if hasattr(self, "moe"):
+            y, aux = moe_layer(self.moe.cfg, self.moe.weights(), h)
+            return x + y, aux
         return x + keep(self.down(jax.nn.silu(keep(self.gate(h))) * self.up(h)))
 
 
-def stacked_blocks(cfg: LlamaConfig, rngs: nnx.Rngs) -> Block:
-    """One `Block` whose parameters are stacked over a leading ``"layers"`` axis of size ``cfg.n_layers``."""
-    return stack_modules(lambda r: Block(cfg, rngs=r), cfg.n_layers, rngs)
+def stacked_blocks(cfg: LlamaConfig, rngs: nnx.Rngs, *, n: int | None = None, moe: bool = False) -> Block:
+    """One `Block` whose parameters are stacked over a leading ``"layers"`` axis of size ``n`` (default
+    ``cfg.n_layers``)."""
+    return stack_modules(lambda r: Block(cfg, rngs=r, moe=moe), cfg.n_layers if n is None else n, rngs)
 
 
 @nnx.scan(in_axes=(nnx.Carry, 0, None, None), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: LAYER_AXIS})
 def _scan_blocks(x: jax.Array, block: Block, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return block(x, cos, sin)
+
+
+@nnx.scan(
+    in_axes=(nnx.Carry, 0, None, None), out_axes=(nnx.Carry, 0), transform_metadata={nnx.PARTITION_NAME: LAYER_AXIS}
+)
+def _scan_moe_blocks(x: jax.Array, block: Block, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, MoEAux]:
+    return block(x, cos, sin)
+
+
+def moe_loss(aux: MoEAux | None) -> jax.Array:
+    """The auxiliary loss to add to the training loss: the MoE layers' ``aux.loss`` summed (0 for a dense model's
+    None)."""
+    return jnp.zeros((), jnp.float32) if aux is None else jnp.sum(aux.loss)
 
 
 class Llama(nnx.Module):
@@ -283,10 +440,15 @@ class Llama(nnx.Module):
             embedding_metadata=_named("vocab", "embed"),
             rngs=rngs,
         )
-        if cfg.scan_layers:
-            self.blocks: Block | nnx.List = stacked_blocks(cfg, rngs)
+        first = cfg.first_dense_layers if cfg.num_experts else cfg.n_layers  # the dense layers before any MoE one
+        if cfg.scan_layers and cfg.num_experts:  # two stacks: the leading dense layers (if any), then the MoE ones
+            if first:
+                self.dense_blocks = stacked_blocks(cfg, rngs, n=first)
+            self.blocks: Block | nnx.List = stacked_blocks(cfg, rngs, n=cfg.moe_layers, moe=True)
+        elif cfg.scan_layers:
+            self.blocks = stacked_blocks(cfg, rngs)
         else:
-            self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
+            self.blocks = nnx.List([Block(cfg, rngs=rngs, moe=i >= first) for i in range(cfg.n_layers)])
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, dt)
         self.head = (
             None
@@ -302,8 +464,11 @@ class Llama(nnx.Module):
             )
         )
 
-    def __call__(self, tokens: jax.Array, rng: jax.Array | None = None) -> jax.Array:
-        """float32 logits ``(batch, seq, vocab_size)`` of int ``tokens`` ``(batch, seq)``, ``seq <= seq_len``.
+    def __call__(
+        self, tokens: jax.Array, rng: jax.Array | None = None, *, with_aux: bool = False
+    ) -> jax.Array | tuple[jax.Array, MoEAux | None]:
+        """float32 logits ``(batch, seq, vocab_size)`` of int ``tokens`` ``(batch, seq)``, ``seq <= seq_len``;
+        ``with_aux``: ``(logits, aux)``, ``aux`` the MoE layers' `MoEAux` stacked over them (None when dense).
 
         ``rng`` is accepted for the `GPT` calling convention and unused (Llama has no dropout).
         """
@@ -313,11 +478,23 @@ class Llama(nnx.Module):
             raise StateError(f"expected at most seq_len={self.cfg.seq_len} tokens per sequence, found {s}")
         cos, sin = rope_tables(s, self.cfg.head_dim, self.cfg.rope_theta)
         x = self.embed(tokens)
-        if self.cfg.scan_layers:
+        auxes: list[MoEAux] = []
+        if self.cfg.scan_layers and self.cfg.num_experts:
+            if hasattr(self, "dense_blocks"):
+                x = _scan_blocks(x, self.dense_blocks, cos, sin)
+            x, stacked = _scan_moe_blocks(x, self.blocks, cos, sin)
+            auxes = [stacked]
+        elif self.cfg.scan_layers:
             x = _scan_blocks(x, self.blocks, cos, sin)
         else:
             for block in self.blocks:
                 x = block(x, cos, sin)
+                if isinstance(x, tuple):
+                    x, aux = x
+                    auxes.append(jax.tree.map(lambda v: v[None], aux))
         x = self.norm(x)
-        logits = self.embed.attend(x) if self.head is None else self.head(x)
-        return logits.astype(jnp.float32)
+        logits = (self.embed.attend(x) if self.head is None else self.head(x)).astype(jnp.float32)
+        if not with_aux:
+            return logits
+        aux = jax.tree.map(lambda *v: jnp.concatenate(v), *auxes) if auxes else None
+        return logits, aux

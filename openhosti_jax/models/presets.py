@@ -1,8 +1,10 @@
 """Published model shapes by name, built from the bundled families for planning at scale (abstractly: the planner
 never allocates their parameters): ``gpt3-175b``, ``bert-large`` (the encoder with a classification head, on
-fine-tuning batches), ``llama2-7b``, ``llama2-70b``, ``llama3-8b``, ``llama3-70b``, ``llama3-405b``, ``sdxl-unet``
-(Stable Diffusion XL's 2.57B UNet), or a GPT- or Llama-family shape from its dimensions (`gpt_shape`,
-`llama_shape`).
+fine-tuning batches), ``llama2-7b``, ``llama2-70b``, ``llama3-8b``, ``llama3-70b``, ``llama3-405b``, the mixtures of
+experts ``mixtral-8x7b`` (46.7B parameters, 12.9B active) and ``deepseek-moe-16b`` (16.4B, 2.8B active; fine-grained
+experts and shared ones), ``sdxl-unet`` (Stable Diffusion XL's 2.57B UNet), or a GPT- or Llama-family shape from its
+dimensions (`gpt_shape`, `llama_shape`). A preset's ``flops_per_token`` counts the parameters a token runs through (an
+MoE layer's ``top_k`` routed experts, not all of them).
 
 Each language model is built with its blocks scanned (one layer's parameters gathered at a time under ZeRO-3), and
 every model with attention over blocks of queries (activations linear in the sequence, as flash attention's), as large
@@ -12,6 +14,9 @@ Example:
     >>> m = model_preset("llama3-8b", seq_len=4096)
     >>> m.name, m.config.seq_len, f"{m.config.num_params() / 1e9:.2f}B"
     ('llama3-8b', 4096, '8.03B')
+    >>> m = model_preset("deepseek-moe-16b")
+    >>> f"{m.config.num_params() / 1e9:.1f}B", f"{m.config.active_params() / 1e9:.2f}B", m.flops_per_token / 1e9
+    ('16.4B', '2.83B', 18.531483648)
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ _PRESETS: dict[str, tuple[type, Callable[..., Any]]] = {
     "llama3-8b": (Llama, LlamaConfig.llama3_8b),
     "llama3-70b": (Llama, LlamaConfig.llama3_70b),
     "llama3-405b": (Llama, LlamaConfig.llama3_405b),
+    "mixtral-8x7b": (Llama, LlamaConfig.mixtral_8x7b),
+    "deepseek-moe-16b": (Llama, LlamaConfig.deepseek_moe_16b),
     "sdxl-unet": (UNet, UNetConfig.sdxl),
 }
 PRESETS: tuple[str, ...] = tuple(_PRESETS)
