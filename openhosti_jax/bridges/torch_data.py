@@ -217,4 +217,28 @@ class TorchLoader(EpochIterator):
         return {str(k): torch_to_numpy(v) for k, v in items}
 
 
-__all__ = ["PermutationBatchSampler", "TorchLoader", "epoch_seed"]
+class TorchBatches(TorchLoader):
+    """Iterate a torch ``DataLoader`` over epochs as its own batches (tensors, not numpy), with `TorchLoader`'s
+    resumable position: each epoch reseeds the loader's generators and calls ``set_epoch`` on its samplers (a
+    ``DistributedSampler`` shuffles by epoch), and `set_state` continues at the next unseen batch of that epoch.
+    `openhosti_jax.frontends.torch_ddp.OptimizedDDP.loader` saves its state with every checkpoint.
+
+    Example:
+        >>> import torch
+        >>> from torch.utils.data import DataLoader, TensorDataset
+        >>> dl = DataLoader(TensorDataset(torch.arange(6)), batch_size=2, shuffle=True, generator=torch.Generator())
+        >>> it = TorchBatches(dl, num_epochs=2)
+        >>> seen = [next(it)[0].tolist() for _ in range(4)]  # epoch 0's three batches, then epoch 1's first
+        >>> state = it.get_state(); state
+        {'epoch': 1, 'position': 1, 'seed': 0}
+        >>> rest = [b[0].tolist() for b in it]
+        >>> resumed = TorchBatches(dl, num_epochs=2); resumed.set_state(state)
+        >>> [b[0].tolist() for b in resumed] == rest, len(rest)
+        (True, 2)
+    """
+
+    def _to_dict(self, batch: Any) -> Any:
+        return batch
+
+
+__all__ = ["PermutationBatchSampler", "TorchBatches", "TorchLoader", "epoch_seed"]

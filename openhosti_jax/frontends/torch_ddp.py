@@ -37,7 +37,9 @@ train state (parameters, optimizer state, buffers, key) through `openhosti_jax.c
 ``every_steps`` steps (else every 15 minutes; ``replicate_to=`` an object-store URL or path that receives a copy of
 each good step in the background, from which a machine that lost its disk resumes; `save_checkpoint` saves now, `close`
 waits for saves in flight), and a
-new ``OptimizedDDP`` on the same directory resumes from its latest good step at its first ``train_step``.
+new ``OptimizedDDP`` on the same directory resumes from its latest good step at its first ``train_step``;
+iterating ``model.loader(data_loader)`` instead of the DataLoader itself saves its position (epoch, batch, the
+sampler's epoch-seeded order) with each checkpoint, and resumes at the batch after the restored step's.
 `state_dict` writes the trained weights and buffers back into the module; `load_state_dict` (or `load_module` after
 changing the module directly) takes the module's values into the train state, keeping the optimizer state.
 
@@ -76,6 +78,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from openhosti_jax.balance import Balancer
+from openhosti_jax.bridges.torch_data import TorchBatches
 from openhosti_jax.bridges.torch_lowering import Lowered, lower, lower_function
 from openhosti_jax.bridges.torch_optim import TorchOptimizer, set_hyperparams
 from openhosti_jax.checkpoint import CheckpointManager
@@ -165,6 +168,7 @@ class OptimizedDDP(torch.nn.Module):
             raise BridgeError("every_steps= says how often to save into checkpoint_dir=; pass checkpoint_dir= too")
         initialize_distributed()  # torchrun's (or openhosti launch's) environment: one JAX runtime over the processes
         self._key = jax.random.key(seed)
+        self._batches: TorchBatches | None = None  # `loader`'s iterator: its position is saved with each checkpoint
         self.module = module
         self.mesh = mesh if mesh is not None else build_mesh(MeshConfig(data=-1))
         if data_axis not in self.mesh.axis_names:
@@ -266,8 +270,25 @@ class OptimizedDDP(torch.nn.Module):
         full["dirty"] = True
         full["count"] += 1
         if self.checkpoints is not None:
-            self.checkpoints.maybe_save(full["count"], full["state"])
+            self.checkpoints.maybe_save(full["count"], full["state"], data_state=self._data_state())
         return torch.tensor(float(metrics["loss"]))
+
+    def loader(self, data_loader: Any, *, num_epochs: int | None = None, seed: int = 0) -> TorchBatches:
+        """``data_loader``'s batches over epochs (`openhosti_jax.bridges.torch_data.TorchBatches`: ``set_epoch``
+        on its sampler each epoch, its generators reseeded from ``(seed, epoch)``), whose position (epoch, batch,
+        seed) every checkpoint saves. With a checkpoint in ``checkpoint_dir`` the train state is restored now and
+        the iterator continues at the batch after the last one that checkpoint trained on.
+
+        Example: ``for x, y in model.loader(DataLoader(ds, sampler=DistributedSampler(ds)), num_epochs=3):
+        model.train_step(x, y)``."""
+        self._batches = TorchBatches(data_loader, seed=seed, num_epochs=num_epochs)
+        if self._full is not None and self._full["state"] is None and self.checkpoints is not None:
+            if self.checkpoints.latest_good_step() is not None:
+                self.restore_checkpoint()
+        return self._batches
+
+    def _data_state(self) -> dict[str, Any] | None:
+        return None if self._batches is None else self._batches.get_state()
 
     @property
     def full_state(self) -> Any:
@@ -489,7 +510,7 @@ class OptimizedDDP(torch.nn.Module):
                 "save_checkpoint needs the full mode with checkpoint_dir= and at least one train_step; expected "
                 f"a train state, found {'no checkpoint_dir' if self.checkpoints is None else 'no step yet'}"
             )
-        self.checkpoints.maybe_save(full["count"], full["state"], force=True)
+        self.checkpoints.maybe_save(full["count"], full["state"], data_state=self._data_state(), force=True)
         if wait:
             self.checkpoints.wait()
         return full["count"]
@@ -505,7 +526,9 @@ class OptimizedDDP(torch.nn.Module):
             )
         if full["state"] is None:
             self._build_full(full)
-        full["state"], _, _ = self.checkpoints.restore(abstract_train_state(full["state"]), step)
+        full["state"], data_state, _ = self.checkpoints.restore(abstract_train_state(full["state"]), step)
+        if self._batches is not None and data_state is not None:  # the loader continues where that step stopped
+            self._batches.set_state(data_state)
         full["hyper"] = None  # the next step writes param_groups' current values over the saved ones
         full["count"] = int(self.checkpoints.restored_step)  # type: ignore[arg-type]
         full["dirty"] = True
