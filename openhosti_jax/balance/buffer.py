@@ -23,6 +23,20 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from openhosti_jax.errors import BalanceError
 
+Axes = str | tuple[str, ...]
+"""One mesh axis name, or several whose devices together are the balanced (data-parallel) positions."""
+
+
+def as_axes(axis: Axes) -> tuple[str, ...]:
+    """``axis`` as a tuple of mesh axis names."""
+    return (axis,) if isinstance(axis, str) else tuple(axis)
+
+
+def axes_size(mesh: Mesh, axis: Axes) -> int:
+    """Positions along ``axis`` (the product of the named mesh axes' sizes; 0 if one is missing)."""
+    axes = as_axes(axis)
+    return int(np.prod([mesh.shape[a] for a in axes])) if all(a in mesh.axis_names for a in axes) else 0
+
 
 def validate_counts(counts: Sequence[int], size: int, capacity: int, total: int | None = None) -> np.ndarray:
     """``counts`` as int32 after checking length, range ``0..capacity`` and (optionally) the total."""
@@ -79,14 +93,14 @@ def pack_microbatches(microbatches: Any, counts: Sequence[int], capacity: int) -
     return jax.tree_util.tree_map(pack, microbatches)
 
 
-def place_microbatches(microbatches: Any, counts: Sequence[int], capacity: int, mesh: Mesh, axis: str = "data") -> Any:
+def place_microbatches(microbatches: Any, counts: Sequence[int], capacity: int, mesh: Mesh, axis: Axes = "data") -> Any:
     """Global buffer sharded over ``axis``; each process reads only the slots of its own devices.
 
     ``microbatches`` (``[M, ...]`` host arrays, the same on every process) is indexed lazily, so a process
     touches only the microbatches assigned to its addressable devices.
     """
     m = _num_microbatches(microbatches)
-    size = mesh.shape[axis]
+    size = axes_size(mesh, axis)
     counts = validate_counts(counts, size, capacity, m)
     src = slot_sources(counts, capacity)
     sharding = NamedSharding(mesh, PartitionSpec(axis))

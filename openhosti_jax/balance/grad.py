@@ -35,19 +35,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from openhosti_jax.balance.buffer import validate_counts
+from openhosti_jax.balance.buffer import Axes, as_axes, axes_size, validate_counts
 from openhosti_jax.balance.throttle import Throttle
 from openhosti_jax.errors import BalanceError
 from openhosti_jax.state.contracts import SummedLossFn
 
 
-def _varying(x: Any, axis: str) -> Any:
+def _varying(x: Any, axis: Axes) -> Any:
     return jax.tree_util.tree_map(lambda a: jax.lax.pcast(a, axis, to="varying"), x)
 
 
-def _local_phase(loss_sum_fn: SummedLossFn, axis: str, stalls: bool, params, buffer, counts, rng, throttle):
+def _to_shardings(tree: Any, shardings: Any, mesh: Mesh) -> Any:
+    """``tree`` constrained to ``shardings`` inside jit (`jax.reshard` on a mesh with Explicit axes)."""
+    if any(t == AxisType.Explicit for t in mesh.axis_types):
+        return jax.tree_util.tree_map(jax.reshard, tree, shardings)
+    return jax.lax.with_sharding_constraint(tree, shardings)
+
+
+def _local_phase(loss_sum_fn: SummedLossFn, axis: Axes, stalls: bool, params, buffer, counts, rng, throttle):
     """Per-device partial sums ``(loss_sum, n_real, grad_sum, sink)``, each with a leading axis of 1.
 
     ``throttle``: None, or per data position the extra gradient evaluations (int) or, if ``stalls``, the
@@ -109,23 +116,38 @@ def _stall(seconds: jax.Array, sink: jax.Array) -> jax.Array:
 class BalancedGradFn:
     """``fn(params, buffer, counts, rng) -> (loss, grads, n_real)`` over an uneven assignment; see module doc.
 
+    ``axis`` may name several mesh axes (``("data", "fsdp")``): every device along them is one balanced position.
+    With ``grad_shardings`` (ZeRO-3 / FSDP), the sharded parameters are gathered once per step by XLA before the
+    local loop (no collective inside it, so the trip counts may differ) and the gradient leaves the step
+    reduce-scattered to ``grad_shardings``. The buffer's slots per device may be any number up to ``capacity``.
+
     ``probe(...)`` returns the same result plus each data position's local-phase seconds, measured by running
     the local phase alone and blocking on each addressable shard from its own thread (NaN for positions owned
     by other processes; `Monitor.observe` gathers them).
     """
 
-    def __init__(self, loss_sum_fn: SummedLossFn, mesh: Mesh, axis: str, capacity: int, throttle: Throttle | None):
-        if axis not in mesh.axis_names:
-            raise BalanceError(f"expected axis {axis!r} in the mesh axes {mesh.axis_names}; pass axis=")
+    def __init__(
+        self,
+        loss_sum_fn: SummedLossFn,
+        mesh: Mesh,
+        axis: Axes,
+        capacity: int,
+        throttle: Throttle | None,
+        grad_shardings: Any = None,
+    ):
+        axes = as_axes(axis)
+        if not axes or any(a not in mesh.axis_names for a in axes):
+            raise BalanceError(f"expected axis {axis!r} to name axes of the mesh {mesh.axis_names}; pass axis=")
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise BalanceError(f"expected capacity to be an int >= 1 (slots per device), found {capacity!r}")
         self.mesh, self.axis, self.capacity = mesh, axis, capacity
-        self.size = mesh.shape[axis]
+        self.size = axes_size(mesh, axis)
         if throttle is not None and len(throttle.factors) != self.size:
             raise BalanceError(
                 f"expected a Throttle with {self.size} factors (the {axis!r} axis size), found {len(throttle.factors)}"
             )
         self.throttle = throttle
+        self.grad_shardings = grad_shardings
         self._replicated = NamedSharding(mesh, PartitionSpec())
         stalls = throttle is not None and throttle.stalls
         if throttle is None:
@@ -139,21 +161,44 @@ class BalancedGradFn:
             local_fn, in_specs = (lambda p, b, c, r: local(p, b, c, r, None)), (rep, data, rep, rep)
         else:
             local_fn, in_specs = local, (rep, data, rep, rep, rep)
-        partials = jax.shard_map(local_fn, mesh=mesh, in_specs=in_specs, out_specs=PartitionSpec(axis))
+        shard_mapped = jax.shard_map(local_fn, mesh=mesh, in_specs=in_specs, out_specs=PartitionSpec(axis))
+
+        def partials(params, *rest):  # sharded parameters are gathered here, once, before the local loop
+            whole = jax.tree_util.tree_map(lambda _: self._replicated, params)
+            return shard_mapped(_to_shardings(params, whole, mesh), *rest)
+
+        def reduce(parts):
+            loss, grads, n_real, sink = _reduce(parts)
+            if grad_shardings is not None:  # the sum over positions becomes a reduce-scatter onto the shards
+                grads = _to_shardings(grads, grad_shardings, mesh)
+            return loss, grads, n_real, sink
+
         self._local = jax.jit(partials)
-        self._fused = jax.jit(lambda *args: _reduce(partials(*args)))
-        self._reduce = jax.jit(_reduce)
+        self._fused = jax.jit(lambda *args: reduce(partials(*args)))
+        self._reduce = jax.jit(reduce)
         self._warm: set[str] = set()
 
+    def set_throttle(self, throttle: Throttle) -> None:
+        """Change the throttled factors without recompiling (the same kind, stall or work, as at construction)."""
+        if self.throttle is None or throttle.stalls != self.throttle.stalls or len(throttle.factors) != self.size:
+            raise BalanceError(
+                f"set_throttle changes the factors of the throttle the step was built with; expected a "
+                f"{'none' if self.throttle is None else ('stall' if self.throttle.stalls else 'work')} throttle of "
+                f"{self.size} factors, found {throttle!r}; build the step with throttle= to change it later"
+            )
+        per_position = throttle.stall_seconds if throttle.stalls else throttle.extra
+        self.throttle, self._extra = throttle, jax.device_put(per_position, self._replicated)
+
     def _args(self, params, buffer, counts, rng) -> tuple:
-        counts = validate_counts(counts, self.size, self.capacity)
-        for x in jax.tree_util.tree_leaves(buffer):
-            if np.shape(x)[:1] != (self.size * self.capacity,):
-                raise BalanceError(
-                    f"expected buffer leaves with leading dim {self.size}*{self.capacity}="
-                    f"{self.size * self.capacity} (devices x capacity), found shape {np.shape(x)}; "
-                    "build it with place_microbatches(...)"
-                )
+        leading = {np.shape(x)[:1] for x in jax.tree_util.tree_leaves(buffer)}
+        slots = next(iter(leading))[0] // self.size if len(leading) == 1 and () not in leading else 0
+        if len(leading) != 1 or slots < 1 or slots > self.capacity or slots * self.size != next(iter(leading))[0]:
+            raise BalanceError(
+                f"expected buffer leaves sharing a leading dim {self.size} x slots (devices x slots per device, "
+                f"slots <= capacity {self.capacity}), found leading dims {sorted(leading)}; build it with "
+                "place_microbatches(...)"
+            )
+        counts = validate_counts(counts, self.size, slots)
         args = (params, buffer, jax.device_put(counts, self._replicated), rng)
         return args if self._extra is None else (*args, self._extra)
 
@@ -194,7 +239,13 @@ def _reduce(partials):
 
 
 def make_balanced_grad_fn(
-    loss_sum_fn: SummedLossFn, mesh: Mesh, *, axis: str = "data", capacity: int, throttle: Throttle | None = None
+    loss_sum_fn: SummedLossFn,
+    mesh: Mesh,
+    *,
+    axis: Axes = "data",
+    capacity: int,
+    throttle: Throttle | None = None,
+    grad_shardings: Any = None,
 ) -> BalancedGradFn:
-    """A `BalancedGradFn` over ``mesh[axis]`` with ``capacity`` microbatch slots per device."""
-    return BalancedGradFn(loss_sum_fn, mesh, axis, capacity, throttle)
+    """A `BalancedGradFn` over ``mesh[axis]`` with up to ``capacity`` microbatch slots per device."""
+    return BalancedGradFn(loss_sum_fn, mesh, axis, capacity, throttle, grad_shardings)

@@ -71,6 +71,11 @@ class Monitor:
                 old = self._ewma[i]
                 self._ewma[i] = sample if np.isnan(old) else (1 - self.alpha) * old + self.alpha * sample
 
+    def forget(self, device: int) -> None:
+        """Drop device ``device``'s samples (stale after it ran no work): its next probe alone sets its speed."""
+        self._recent[device].clear()
+        self._ewma[device] = np.nan
+
     @property
     def seconds_per_microbatch(self) -> np.ndarray:
         """Smoothed seconds per microbatch per device (NaN before a device's first sample)."""

@@ -1,8 +1,9 @@
 """`Rebalancer`: per-device microbatch counts proportional to measured speed, with hysteresis.
 
-Counts are the largest-remainder rounding of the speed-proportional ideal, clipped to ``1..capacity`` for live
-devices (0 for failed ones) by water-filling (a bisection on the proportionality constant). A new assignment
-replaces the current one only when it shortens the predicted step time (``max_i n_i / speed_i``) by more than
+Counts start from the speed-proportional ideal, clipped to ``floor..capacity`` for live devices (0 for failed
+ones; ``floor=0`` lets a very slow device drop to no work) by water-filling (a bisection on the proportionality
+constant), rounded down; the rest go one at a time where they finish soonest. A new assignment replaces the
+current one only when it shortens the predicted step time (``max_i n_i / speed_i``) by more than
 ``hysteresis``, so noise does not make counts oscillate. Pure numpy in float64 with index tie-breaks: every
 process given the same speeds computes the same counts.
 Example:
@@ -36,6 +37,9 @@ class Rebalancer:
     """Buffer slots per device: the most microbatches one device can take."""
     hysteresis: float = 0.05
     """Adopt a new assignment only if its predicted step time is this fraction below the current one's."""
+    floor: int = 1
+    """The fewest microbatches a live device gets: 1 keeps every device measured; 0 lets a device whose share
+    rounds to nothing drop out (`Balancer` retries it now and then so it can come back)."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -43,6 +47,8 @@ class Rebalancer:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 problems.append(f"{name}={v!r} (expected an int >= 1)")
+        if self.floor not in (0, 1):
+            problems.append(f"floor={self.floor!r} (expected 0 or 1)")
         if not 0.0 <= self.hysteresis < 1.0:
             problems.append(f"hysteresis={self.hysteresis!r} (expected 0 <= h < 1)")
         if not problems and self.size * self.capacity < self.total:
@@ -50,7 +56,7 @@ class Rebalancer:
                 f"size*capacity={self.size * self.capacity} < total={self.total}: raise capacity to at least "
                 f"{-(-self.total // self.size)} (2x that leaves room to rebalance)"
             )
-        if not problems and self.total < self.size:
+        if not problems and self.floor and self.total < self.size:
             problems.append(f"total={self.total} < size={self.size}: every live device needs >= 1 microbatch")
         if problems:
             raise BalanceError("invalid Rebalancer: " + "; ".join(problems))
@@ -64,12 +70,12 @@ class Rebalancer:
         bad = [f for f in failed if not 0 <= f < self.size]
         if bad:
             raise BalanceError(f"failed devices {bad} are outside 0..{self.size - 1}")
-        lo, hi = np.ones(self.size, np.int64), np.full(self.size, self.capacity, np.int64)
+        lo, hi = np.full(self.size, self.floor, np.int64), np.full(self.size, self.capacity, np.int64)
         lo[list(failed)] = hi[list(failed)] = 0
         if not lo.sum() <= self.total <= hi.sum():
             raise BalanceError(
                 f"cannot place {self.total} microbatches on {self.size - len(set(failed))} live devices with "
-                f"1..{self.capacity} each; raise capacity or lower the step's microbatches"
+                f"{self.floor}..{self.capacity} each; raise capacity or lower the step's microbatches"
             )
         return lo, hi
 
@@ -96,18 +102,14 @@ class Rebalancer:
         return fill(b)
 
     def assign(self, speeds: Sequence[float], failed: Sequence[int] = ()) -> tuple[int, ...]:
-        """Largest-remainder integer counts of `ideal` (ties go to the lower device index)."""
+        """`ideal` rounded down, then each remaining microbatch to the device that would finish it soonest (the
+        smallest ``(n_i + 1) / speed_i``; ties go to the lower index): the shortest predicted step time."""
         lo, hi = self._bounds(failed)
-        x = self.ideal(speeds, failed)
-        n = np.clip(np.floor(x + 1e-9).astype(np.int64), lo, hi)
-        rest = self.total - int(n.sum())
-        order = sorted(range(self.size), key=lambda i: (-(x[i] - n[i]), i))
-        for i in order:
-            if rest <= 0:
-                break
-            if n[i] < hi[i]:
-                n[i] += 1
-                rest -= 1
+        s = self._speeds(speeds, failed)
+        n = np.clip(np.floor(self.ideal(speeds, failed) + 1e-9).astype(np.int64), lo, hi)
+        for _ in range(self.total - int(n.sum())):
+            open_ = [i for i in range(self.size) if n[i] < hi[i] and s[i] > 0]
+            n[min(open_, key=lambda i: ((n[i] + 1) / s[i], i))] += 1
         return tuple(int(v) for v in n)
 
     def predicted_time(self, counts: Sequence[int], speeds: Sequence[float], failed: Sequence[int] = ()) -> float:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 from jax.sharding import Mesh
 
+from openhosti_jax.balance.buffer import Axes, as_axes, axes_size
 from openhosti_jax.errors import BalanceError
 
 
@@ -66,7 +67,7 @@ class Throttle:
 
     @staticmethod
     def for_processes(
-        mesh: Mesh, axis: str, factors: Mapping[int, int], microbatch_seconds: float | None = None
+        mesh: Mesh, axis: Axes, factors: Mapping[int, int], microbatch_seconds: float | None = None
     ) -> Throttle:
         """Throttle every data-axis position whose devices belong to one of the processes in ``factors``."""
         owners = data_axis_processes(mesh, axis)
@@ -95,10 +96,12 @@ class Throttle:
         return (np.asarray(self.factors, np.float32) - 1) * np.float32(self.microbatch_seconds)
 
 
-def data_axis_processes(mesh: Mesh, axis: str) -> tuple[int, ...]:
-    """The process owning each position of ``axis`` (the first device of that slice of the mesh)."""
-    if axis not in mesh.axis_names:
-        raise BalanceError(f"expected axis {axis!r} in the mesh axes {mesh.axis_names}; pass one of them")
-    devs = np.moveaxis(mesh.devices, mesh.axis_names.index(axis), 0)
-    firsts = devs.reshape(devs.shape[0], -1)[:, 0]
+def data_axis_processes(mesh: Mesh, axis: Axes) -> tuple[int, ...]:
+    """The process owning each position of ``axis`` (one axis or several; the first device of that slice)."""
+    axes = as_axes(axis)
+    if not axes or any(a not in mesh.axis_names for a in axes):
+        raise BalanceError(f"expected axis {axis!r} to name axes of the mesh {mesh.axis_names}; pass one of them")
+    where = [mesh.axis_names.index(a) for a in axes]
+    devs = np.moveaxis(mesh.devices, where, list(range(len(where))))
+    firsts = devs.reshape(axes_size(mesh, axis), -1)[:, 0]
     return tuple(int(d.process_index) for d in firsts)

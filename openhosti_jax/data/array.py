@@ -101,6 +101,15 @@ class ArrayDataset:
         """Global batches per epoch (the incomplete last batch is dropped)."""
         return self._n // self.global_batch_size
 
+    @property
+    def num_samples(self) -> int:
+        """Samples in the arrays (an epoch uses ``steps_per_epoch * global_batch_size`` of them)."""
+        return self._n
+
+    def rows(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+        """The samples at ``indices`` (any order), for readers that choose their own samples."""
+        return {k: v[np.asarray(indices)] for k, v in self._arrays.items()}
+
     def epoch_order(self, epoch: int) -> np.ndarray:
         """The sample order of ``epoch``: the same on every process and every run with this seed."""
         if not self.shuffle:

@@ -3,7 +3,13 @@
 It is built from a ``loss_sum_fn(params, microbatch, rng) -> (loss_sum, num_real)``
 (`openhosti_jax.state.SummedLossFn`): each global batch is cut into ``microbatches`` pieces, a
 `openhosti_jax.balance.Balancer` gives a slow device fewer of them, and the gradient stays the exact mean over all
-real samples.
+real samples. Every device along the plan's batch axes (``data`` and ``fsdp``) is one balanced position. Under
+ZeRO-3 / FSDP the sharded parameters are gathered once per step before the uneven local loop (so the step holds
+the full parameters and one full gradient accumulator per device, as ZeRO-2 does, while the train state stays
+sharded) and the gradient is reduce-scattered back onto the shards. A batch may also be a
+`openhosti_jax.balance.HostLocalBatch` (from `openhosti_jax.balance.HostLocalData`): each process then reads
+only the samples its devices run. The metrics carry ``counts`` (microbatches per position) and
+``device_speeds`` (measured microbatches per second, None before a position was measured).
 
 Example:
     >>> import jax, jax.numpy as jnp, numpy as np, optax
@@ -27,9 +33,10 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from openhosti_jax.balance import Balancer
-from openhosti_jax.errors import BatchError, ShardingError, StateError
+from openhosti_jax.balance import Balancer, HostLocalBatch, place_microbatches
+from openhosti_jax.errors import BalanceError, BatchError, ShardingError, StateError
 from openhosti_jax.sharding.plan import ShardingPlan
+from openhosti_jax.sharding.specs import spec_axes
 from openhosti_jax.state.contracts import SummedLossFn
 from openhosti_jax.state.guard import all_finite
 from openhosti_jax.state.train_state import TrainState
@@ -45,17 +52,21 @@ class BalancedStep:
         plan: ShardingPlan,
         *,
         microbatches: int,
-        axis: str = "data",
+        axis: str | tuple[str, ...] | None = None,
         **balancer_kw: Any,
     ):
-        if plan.zero_stage == 3 and plan.mesh_shape.get("fsdp", 1) > 1:
+        unsupported = {a: plan.mesh_shape.get(a, 1) for a in ("stage", "context") if plan.mesh_shape.get(a, 1) > 1}
+        if unsupported:
             raise ShardingError(
-                "a balanced step needs parameters replicated over the data-parallel devices, found a ZeRO-3 plan "
-                "sharding them on fsdp; use plan='dp', 'zero1' or 'zero2'"
+                f"a balanced step splits whole rows over the batch axes; expected no pipeline or sequence split, "
+                f"found {unsupported}; balance a plan without them"
             )
-        self.mesh, self.plan, self.microbatches = mesh, plan, microbatches
-        self.balancer = Balancer(loss_sum_fn, mesh, total=microbatches, axis=axis, **balancer_kw)
+        if axis is None:
+            axis = spec_axes(jax.sharding.PartitionSpec(*tuple(plan.batch_spec)[:1]))
+        self.mesh, self.plan, self.microbatches, self.axis = mesh, plan, microbatches, axis
         sh = plan.shardings(mesh, plan.param_specs)
+        self.balancer = Balancer(loss_sum_fn, mesh, total=microbatches, axis=axis, grad_shardings=sh, **balancer_kw)
+        self.size = self.balancer.step_fn.size
         self._next_rng = jax.jit(lambda s: s.next_rng())
 
         def apply(s: TrainState, grads: Any, loss: jax.Array, old_rng: jax.Array) -> tuple[TrainState, Any]:
@@ -78,7 +89,26 @@ class BalancedStep:
         """The current assignment when it is uneven (shown on the Trainer's progress line)."""
         return self.balancer.describe()
 
-    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
+    def _buffer(self, batch: Any) -> Any:
+        """The step's microbatch buffer, placed for the current counts (each process fills its own devices)."""
+        bal = self.balancer
+        rows = batch.global_batch_size if isinstance(batch, HostLocalBatch) else None
+        if rows is None:
+            leaves = jax.tree.leaves(batch)
+            rows = np.shape(leaves[0])[0] if leaves and np.ndim(leaves[0]) else 0
+        if rows < self.size:
+            raise BalanceError(
+                f"the global batch has {rows} rows, fewer than the {self.size} balanced devices; use a global batch "
+                f"of at least {self.size} rows (a multiple of microbatches={self.microbatches})"
+            )
+        if isinstance(batch, HostLocalBatch):
+            if batch.microbatches != self.microbatches:
+                raise BatchError(
+                    f"the host-local batch is cut into {batch.microbatches} microbatches, the step into "
+                    f"{self.microbatches}; build HostLocalData with microbatches={self.microbatches}"
+                )
+            return batch.place(bal.counts, bal.buffer_slots(), self.mesh, self.axis)
+
         def split(x: Any) -> np.ndarray:
             x = np.asarray(x)
             if x.shape[0] % self.microbatches:
@@ -88,21 +118,26 @@ class BalancedStep:
                 )
             return x.reshape(self.microbatches, x.shape[0] // self.microbatches, *x.shape[1:])
 
+        return place_microbatches(jax.tree.map(split, batch), bal.counts, bal.buffer_slots(), self.mesh, self.axis)
+
+    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         old_rng = state.rng
+        counts = list(self.balancer.counts)
+        buffer = self._buffer(batch)
         state, rng = self._next_rng(state)
         with jax.set_mesh(self.mesh):
-            loss, grads, n_real = self.balancer(state.params, jax.tree.map(split, batch), rng)
+            loss, grads, n_real = self.balancer.run(state.params, buffer, rng)
             state, checked = self._apply(state, grads, loss, old_rng)
-        metrics = {"loss": loss, "num_real": n_real, "counts": list(self.balancer.counts)}
+        metrics = {"loss": loss, "num_real": n_real, "counts": counts, "device_speeds": self.balancer.speeds()}
         return state, {**metrics, "grad_norm": checked["grad_norm"], "skipped_nonfinite": checked["skipped_nonfinite"]}
 
 
 def balanced_step(
     loss_sum_fn: SummedLossFn, *, mesh: Mesh, plan: ShardingPlan, microbatches: int | None = None, **balancer_kw: Any
 ) -> BalancedStep:
-    """A `BalancedStep` for ``loss_sum_fn`` on ``mesh`` by ``plan`` (ZeRO 0-2: parameters replicated over ``data``).
+    """A `BalancedStep` for ``loss_sum_fn`` on ``mesh`` by ``plan`` (any ZeRO stage, FSDP included).
 
-    Every global batch is cut into ``microbatches`` pieces (default 4 per data-parallel device) that a
+    Every global batch is cut into ``microbatches`` pieces (default 4 per balanced device) that a
     `openhosti_jax.balance.Balancer` spreads over the devices by measured speed; ``balancer_kw`` go to it.
     """
     if not isinstance(plan, ShardingPlan) or not isinstance(mesh, Mesh):
@@ -111,5 +146,5 @@ def balanced_step(
             f"{type(plan).__name__}; create both with create_train_state"
         )
     return BalancedStep(
-        loss_sum_fn, mesh, plan, microbatches=microbatches or 4 * plan.mesh_shape["data"], **balancer_kw
+        loss_sum_fn, mesh, plan, microbatches=microbatches or 4 * plan.data_parallel_size, **balancer_kw
     )

@@ -1,0 +1,140 @@
+"""Balancing under ZeRO-3 / FSDP, and without a fixed cap: exact gradients, zero work and coming back."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import openhosti_jax as oh
+from openhosti_jax.balance import Balancer, Monitor, Rebalancer, Throttle, make_balanced_grad_fn, place_microbatches
+from openhosti_jax.errors import BalanceError
+
+M, ROWS, DIN, H = 12, 4, 64, 512
+
+
+def loss_sum_fn(p, mb, rng):
+    h = jnp.tanh(mb["x"] @ p["w1"] + p["b1"])
+    h = jnp.where(jax.random.bernoulli(rng, 0.9, h.shape), h / 0.9, 0.0)  # dropout: keys follow the global order
+    return jnp.sum((h @ p["w2"] - mb["y"]) ** 2), jnp.float32(mb["x"].shape[0])
+
+
+def init(_):
+    r = np.random.default_rng(0)
+    return {
+        "w1": jnp.asarray(r.normal(size=(DIN, H)) * 0.05, jnp.float32),
+        "b1": jnp.zeros(H, jnp.float32),
+        "w2": jnp.asarray(r.normal(size=(H, DIN)) * 0.05, jnp.float32),
+    }
+
+
+def batch():
+    r = np.random.default_rng(1)
+    return {
+        "x": r.normal(size=(M * ROWS, DIN)).astype(np.float32) * 0.5,
+        "y": r.normal(size=(M * ROWS, DIN)).astype(np.float32) * 0.1,
+    }
+
+
+def reference_grad(params, data, rng):
+    """Plain jax.jit on one device: microbatch k (rows k*ROWS...) with key fold_in(rng, k); the global mean."""
+
+    def total(p):
+        parts = [
+            loss_sum_fn(p, {k: v[i * ROWS : (i + 1) * ROWS] for k, v in data.items()}, jax.random.fold_in(rng, i))[0]
+            for i in range(M)
+        ]
+        return sum(parts) / (M * ROWS)
+
+    return jax.jit(jax.value_and_grad(total))(params)
+
+
+@pytest.mark.parametrize("shape", [{"data": 1, "fsdp": 8}, {"data": 2, "fsdp": 4}], ids=["fsdp8", "data2_fsdp4"])
+def test_fsdp_balanced_gradient_and_step_equal_the_unbalanced_ones(shape):
+    mesh = oh.build_mesh(oh.MeshConfig(**shape))
+    state, plan = oh.create_train_state(init, optax.sgd(0.5), mesh, plan="fsdp")
+    assert plan.zero_stage == 3 and "fsdp" in str(state.params["w1"].sharding.spec)
+    data, rng = batch(), jax.random.key(3)
+    host_params = jax.device_get(state.params)
+    ref_loss, ref_g = reference_grad(host_params, data, rng)
+
+    sh = plan.shardings(mesh, plan.param_specs)
+    fn = make_balanced_grad_fn(loss_sum_fn, mesh, axis=("data", "fsdp"), capacity=M, grad_shardings=sh)
+    mbs = {k: v.reshape(M, ROWS, DIN) for k, v in data.items()}
+    for counts in [(5, 0, 1, 2, 0, 3, 1, 0), (2, 1, 2, 1, 2, 1, 2, 1), (0, 0, 0, 0, 0, 0, 0, 12)]:
+        with jax.set_mesh(mesh):
+            loss, g, n = fn(
+                state.params, place_microbatches(mbs, counts, max(counts), mesh, ("data", "fsdp")), counts, rng
+            )
+        assert int(n) == M * ROWS
+        np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
+        for k in g:
+            assert g[k].sharding.is_equivalent_to(sh[k], g[k].ndim), (
+                k,
+                g[k].sharding,
+                sh[k],
+            )  # reduce-scattered onto the shards
+            np.testing.assert_allclose(np.asarray(g[k]), np.asarray(ref_g[k]), atol=1e-6, rtol=1e-6)
+
+    # the whole balanced train step against the unbalanced update on the same batch (sgd: params - lr * grad)
+    step = oh.balanced_step(loss_sum_fn, mesh=mesh, plan=plan, microbatches=M)
+    new, metrics = step(state, data)
+    assert len(metrics["counts"]) == 8 and sum(metrics["counts"]) == M
+    assert len(metrics["device_speeds"]) == 8 and all(v > 0 for v in metrics["device_speeds"])
+    _, ref_g = reference_grad(host_params, data, jax.random.split(state.rng)[1])
+    for k in ref_g:
+        assert new.params[k].sharding.is_equivalent_to(sh[k], new.params[k].ndim)
+        want = host_params[k] - 0.5 * np.asarray(ref_g[k])
+        np.testing.assert_allclose(np.asarray(new.params[k]), want, atol=1e-6, rtol=1e-6)
+
+
+def test_a_global_batch_smaller_than_the_devices_is_refused():
+    mesh = oh.build_mesh(oh.MeshConfig(data=1, fsdp=8))
+    state, plan = oh.create_train_state(init, optax.sgd(0.5), mesh, plan="fsdp")
+    step = oh.balanced_step(loss_sum_fn, mesh=mesh, plan=plan, microbatches=4)
+    small = {k: v[:4] for k, v in batch().items()}
+    with pytest.raises(BalanceError, match="fewer than the 8 balanced devices"):
+        step(state, small)
+
+
+def test_very_slow_devices_drop_to_zero_work_and_come_back_when_fast_again():
+    mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+    params = jax.device_get(init(None))
+    mbs = {k: v.reshape(M, ROWS, DIN) for k, v in batch().items()}
+    rng = jax.random.key(0)
+    # every device stalls 10 ms per microbatch (a simulated accelerator's time, large against the CPU overheads);
+    # devices 1-3 stall 30 x that: device 0 running all 12 is quicker than any of them running one
+    stall = lambda slow: Throttle.for_devices(4, {0: 2, 1: slow, 2: slow, 3: slow}, microbatch_seconds=0.01)
+    bal = Balancer(loss_sum_fn, mesh, total=M, every=1, retry=3, throttle=stall(31))
+    history = []
+    for _ in range(2):  # the third probe at zero work would retry them
+        bal(params, mbs, rng)
+        history.append(bal.counts)
+    assert bal.counts == (12, 0, 0, 0), history  # far above the old cap, twice the even share (6)
+    bal.step_fn.set_throttle(stall(2))  # devices 2 and 3 recover
+    for _ in range(5):
+        loss, g, n = bal(params, mbs, rng)
+        history.append(bal.counts)
+    assert min(bal.counts) >= 2, history  # retried with one microbatch each, measured fast, given a share back
+    assert int(n) == M * ROWS
+    ref_loss, ref_g = reference_grad(params, {k: v.reshape(M * ROWS, DIN) for k, v in mbs.items()}, rng)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
+    for k in ref_g:
+        np.testing.assert_allclose(np.asarray(g[k]), np.asarray(ref_g[k]), atol=1e-6, rtol=1e-6)
+
+
+def test_noise_does_not_make_a_zero_work_assignment_flap():
+    size, total = 4, 16
+    rb = Rebalancer(total=total, size=size, capacity=total, floor=0)
+    monitor, counts = Monitor(size, every=1), rb.even()
+    true_spmb = np.array([1.0, 1.0, 1.0, 30.0])  # device 3's share (0.18) rounds to nothing
+    r, history = np.random.default_rng(0), []
+    for _ in range(40):
+        secs = np.asarray(counts) * true_spmb * (1 + 0.05 * r.uniform(-1, 1, size))
+        monitor.observe(np.where(np.asarray(counts) > 0, secs, np.nan), counts)
+        counts = rb.update(counts, monitor.speeds())
+        history.append(counts)
+    assert counts[3] == 0 and sum(counts) == total
+    assert len(set(history[2:])) == 1, history  # settled: 5% noise never moves it again
+    exact = Rebalancer(total=total, size=size, capacity=total, floor=0, hysteresis=0.0)
+    assert exact.assign(1 / true_spmb) == counts
