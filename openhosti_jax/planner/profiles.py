@@ -548,6 +548,19 @@ KIND_ALIASES = {
 }
 
 
+def all_to_all_seconds(profile: DeviceProfile, nbytes: float, n: int) -> float:
+    """Time of one all-to-all inside a host over groups of ``n`` devices, each holding a buffer of ``nbytes`` of which
+    it sends one ``n``-th to every other device (a mixture-of-experts layer's token dispatch or return,
+    `jax.lax.all_to_all`): each device sends and receives ``(n - 1) / n x nbytes``, the bus bytes of an all-gather
+    whose full buffer is ``nbytes``, over the same links; priced as that all-gather (`DeviceProfile.link_seconds`:
+    the measured curve of a calibrated profile, else the link's efficiency curve or alpha-beta line).
+
+    >>> round(all_to_all_seconds(PROFILES["A100"], 2**24, 8) * 1e6, 1)  # 16 MiB per device over 8 A100s
+    138.3
+    """
+    return profile.link_seconds("all_gather", nbytes, n)
+
+
 def bus_bytes(kind: str, nbytes: float, n: int) -> float:
     """Bytes each device moves in a collective of ``kind`` over ``n`` devices on a full buffer of ``nbytes``."""
     return (2.0 if kind == "all_reduce" else 1.0) * (n - 1) / n * nbytes
