@@ -86,11 +86,11 @@ class Balancer:
         self.steps = 0
         self._idle = [0] * size  # probes each live device has spent at zero work
         self._probe_next = False
+        self._slots = 0
 
     def __call__(self, params: Any, microbatches: Any, rng: jax.Array):
         fn = self.step_fn
-        slots = slots_for(self.counts, self.rebalancer.total, fn.size, fn.capacity)
-        buffer = place_microbatches(microbatches, self.counts, slots, fn.mesh, fn.axis)
+        buffer = place_microbatches(microbatches, self.counts, self.buffer_slots(), fn.mesh, fn.axis)
         return self.run(params, buffer, rng)
 
     def run(self, params: Any, buffer: Any, rng: jax.Array):
@@ -109,8 +109,10 @@ class Balancer:
         return out
 
     def buffer_slots(self) -> int:
-        """Slots per device the next step's buffer needs."""
-        return slots_for(self.counts, self.rebalancer.total, self.step_fn.size, self.step_fn.capacity)
+        """Slots per device of the next step's buffer: they only grow (each size is one more compile)."""
+        need = slots_for(self.counts, self.rebalancer.total, self.step_fn.size, self.step_fn.capacity)
+        self._slots = max(self._slots, need)
+        return self._slots
 
     def _maybe_retry(self) -> None:
         """Give one microbatch to each live device that sat at zero for ``retry`` probes, and probe next step."""
