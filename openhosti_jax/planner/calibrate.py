@@ -3,10 +3,10 @@ profile for a device set.
 
 `calibrate` times, on every device at once (so shared cores and caches are accounted for): a matmul; in-place
 elementwise streaming over working sets of 512 KiB .. 32 MiB (`DeviceProfile.memory_curve`: small steps stream from
-the caches); and all-reduce / all-gather / reduce-scatter at several sizes (16 KiB .. 8 MiB, and on up to the largest
-collective the model needs, `calibration_sizes`; alternated, medians) over every group size. They give each
-collective's measured curve (`DeviceProfile.link_curve`), and over all devices its latency (alpha) and bandwidth
-(beta) by a least-squares fit (`fit_alpha_beta`).
+the caches); and all-reduce / all-gather / reduce-scatter / all-to-all at several sizes (16 KiB .. 8 MiB, and on up
+to the largest collective the model needs, `calibration_sizes`; alternated, medians) over every group size. They give
+each collective's measured curve (`DeviceProfile.link_curve`), and over all devices the first three's latency (alpha)
+and bandwidth (beta) by a least-squares fit (`fit_alpha_beta`).
 
 Example:
     >>> from openhosti_jax.planner.calibrate import device_profile
@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 from openhosti_jax.errors import PlanningError
 from openhosti_jax.mesh.barrier import gathered
 from openhosti_jax.planner import profile_cache
-from openhosti_jax.planner.profiles import COLLECTIVES, KIND_ALIASES, PROFILES, DeviceProfile, bus_bytes
+from openhosti_jax.planner.profiles import COLLECTIVES, KIND_ALIASES, MEASURED, PROFILES, DeviceProfile, bus_bytes
 
 MEMORY_SIZES: tuple[int, ...] = (2**19, 2**21, 2**23, 2**25)
 """Working sets per device (512 KiB .. 32 MiB) at which `calibrate` times elementwise streaming."""
@@ -164,7 +164,7 @@ def calibrate(
     kernels += [on_all(_stream(stream_length(ws)), (ws // 8,), (ws // 8,)) for ws in MEMORY_SIZES]
     groups = [g for g in range(2, n + 1) if n % g == 0]
     sizes = sorted({s // (4 * n) * 4 * n for s in sizes})
-    timed = [(kind, g) for kind in COLLECTIVES for g in groups]
+    timed = [(kind, g) for kind in MEASURED for g in groups]
     for kind, g in timed:
         kernels += [on_all(_chain(kind, chain_length(s)), (_input_bytes(kind, s, g) // 4,), group=g) for s in sizes]
     sync = on_all(lambda a: jax.lax.psum(a, "d"), (1,)) if jax.process_count() > 1 else None
@@ -191,7 +191,7 @@ def calibrate(
             native_reduce_scatter=native_rs,
         )
     bandwidth, latencies = {}, []
-    curves: dict[str, dict[int, tuple[tuple[float, float], ...]]] = {kind: {} for kind in COLLECTIVES}
+    curves: dict[str, dict[int, tuple[tuple[float, float], ...]]] = {kind: {} for kind in MEASURED}
     for i, (kind, g) in enumerate(timed):
         first = 1 + len(MEMORY_SIZES) + i * len(sizes)
         chains = secs[first : first + len(sizes)]
@@ -201,7 +201,7 @@ def calibrate(
         # one is noise (clipping from above keeps one slow sample from raising every larger size)
         monotone = np.minimum.accumulate(np.asarray(seconds)[::-1])[::-1]
         curves[kind][g] = tuple(zip(bus, monotone.tolist(), strict=True))
-        if g == n:  # the alpha-beta summary describes the whole device set
+        if g == n and kind in COLLECTIVES:  # the alpha-beta summary describes the whole device set
             alpha, bw = fit_alpha_beta(bus, seconds)
             bandwidth[kind] = bw
             latencies.append(alpha)
@@ -250,6 +250,8 @@ def _chain(kind: str, length: int) -> Callable[[jax.Array], jax.Array]:
             last = i == length - 1
             if kind == "all_reduce":
                 a = jax.lax.psum(a, "d")
+            elif kind == "all_to_all":
+                a = jax.lax.all_to_all(a, "d", 0, 0, tiled=True)
             elif kind == "all_gather":
                 out = jax.lax.all_gather(a, "d", tiled=True)
                 a = out if last else out[: a.shape[0]]

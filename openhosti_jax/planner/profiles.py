@@ -32,6 +32,10 @@ from openhosti_jax.errors import PlanningError
 COLLECTIVES: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter")
 """Collective kinds the cost model prices."""
 
+MEASURED: tuple[str, ...] = (*COLLECTIVES, "all_to_all")
+"""Collective kinds a calibration measures (`DeviceProfile.link_curve`): `COLLECTIVES` and the all-to-all
+(`all_to_all_seconds`), which no spec sheet gives a bandwidth of."""
+
 
 @dataclasses.dataclass(frozen=True)
 class DeviceProfile:
@@ -108,9 +112,9 @@ class DeviceProfile:
             problems.append(f"link_bandwidth lacks {missing}; give bytes/s for each of {COLLECTIVES}")
         problems += [f"link_bandwidth[{k!r}]={v!r} must be > 0" for k, v in self.link_bandwidth.items() if v <= 0]
         for kind, groups in self.link_curve.items():
-            if kind not in COLLECTIVES or not isinstance(groups, Mapping) or not groups:
+            if kind not in MEASURED or not isinstance(groups, Mapping) or not groups:
                 problems.append(
-                    f"link_curve[{kind!r}] must map a kind in {COLLECTIVES} to {{group size: points}}; found {groups!r}"
+                    f"link_curve[{kind!r}] must map a kind in {MEASURED} to {{group size: points}}; found {groups!r}"
                 )
                 continue
             for n, points in groups.items():
@@ -551,13 +555,16 @@ KIND_ALIASES = {
 def all_to_all_seconds(profile: DeviceProfile, nbytes: float, n: int) -> float:
     """Time of one all-to-all inside a host over groups of ``n`` devices, each holding a buffer of ``nbytes`` of which
     it sends one ``n``-th to every other device (a mixture-of-experts layer's token dispatch or return,
-    `jax.lax.all_to_all`): each device sends and receives ``(n - 1) / n x nbytes``, the bus bytes of an all-gather
-    whose full buffer is ``nbytes``, over the same links; priced as that all-gather (`DeviceProfile.link_seconds`:
-    the measured curve of a calibrated profile, else the link's efficiency curve or alpha-beta line).
+    `jax.lax.all_to_all`): each device sends and receives ``(n - 1) / n x nbytes`` (`bus_bytes`). A calibrated
+    profile prices it on its own measured curve (``link_curve["all_to_all"]``: XLA's CPU all-to-all runs several
+    times slower than its all-gather of the same bytes); a spec-sheet profile, which has none, as the all-gather
+    whose full buffer is ``nbytes``: the same bus bytes over the same links (`DeviceProfile.link_seconds`).
 
     >>> round(all_to_all_seconds(PROFILES["A100"], 2**24, 8) * 1e6, 1)  # 16 MiB per device over 8 A100s
     138.3
     """
+    if "all_to_all" in profile.link_curve:
+        return profile.collective_seconds("all_to_all", nbytes, n)
     return profile.link_seconds("all_gather", nbytes, n)
 
 
