@@ -15,6 +15,12 @@ Variants, timed alternately in one process, medians of ``REPS``:
              ``@spmd(microbatches=M)`` runs without ``balance=True``), no throttle (for the overhead)
 M is chosen so that the ideal share is an integer (2x: 28, 4x: 26 for devices; 24 / 20 for processes).
 
+FSDP (``fsdp_*`` keys): the same static / balanced / ideal on an fsdp=8 mesh (8 devices, parameters sharded over
+fsdp, gathered once per step, gradient reduce-scattered), device 7 stalling 2x (M = 30, ideal share 4; quick 15).
+Host-local data (``host_bytes_read_over_share``, ``multihost_static_over_balanced``): 2 processes x 2 devices
+read a `HostLocalData` source by index, process 1 stalls 2x; one epoch unbalanced (even split) against one epoch
+balanced, and the bytes each process read over the bytes of the samples its devices ran (1: only its share).
+
 Prints one JSON object on its last line (keys and goals in benchmarks/README.md). ``--quick`` (passed on to the
 workers): width 128, 64 rows, 5 reps, the 2x factor only (M = 14 for devices, 12 for processes), both kinds on
 the devices and the stall kind across the processes; the same code paths.
@@ -23,7 +29,7 @@ the devices and the stall kind across the processes; the same code paths.
 import os
 import sys
 
-if "--worker" not in sys.argv:  # workers inherit 2 devices each from the parent
+if "--worker" not in sys.argv and "--hostlocal-worker" not in sys.argv:  # workers get 2 devices each
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -43,6 +49,11 @@ DEVICE_CASES = ((2, 14),) if goals.QUICK else ((2, 28), (4, 26))
 PROCESS_CASES = ((2, 12),) if goals.QUICK else ((2, 24), (4, 20))
 PROCESS_KINDS = ("stall",) if goals.QUICK else ("stall", "work")
 OVERHEAD_M = 14 if goals.QUICK else 28
+FSDP_M = 60  # 8 devices, one 2x: ideal share M / 7.5 = 8 (the even split gives the slow device 7)
+BASE = 5  # fsdp and host-local cases: a microbatch takes BASE x its CPU time, 2 x BASE on the slowed device
+HOSTLOCAL_STEPS = 4 if goals.QUICK else 8  # steps per timed epoch (2 processes, 24 microbatches a step)
+HOSTLOCAL_REPS = 3 if goals.QUICK else 7  # epochs per variant, alternated; the median is reported
+HOSTLOCAL_SHAPE = (256, 32) if goals.QUICK else (512, 32)  # width, rows per microbatch
 PROCESS_TIMEOUT_S = 150 if goals.QUICK else 240
 
 
@@ -93,12 +104,12 @@ def converge(bal, params, mbs, rng, steps=8):
     return bal.counts
 
 
-def microbatch_seconds(step, params, mbs, counts, rng, probes=5):
+def microbatch_seconds(step, params, mbs, counts, rng, probes=5, axis="data"):
     """Median measured seconds per microbatch of an unthrottled step (agreed by every process)."""
     from openhosti_jax.balance import Monitor, place_microbatches
 
     monitor = Monitor(step.size, window=probes)
-    buffer = place_microbatches(mbs, counts, step.capacity, step.mesh)
+    buffer = place_microbatches(mbs, counts, max(counts), step.mesh, axis)
     for _ in range(probes):
         monitor.observe(step.probe(params, buffer, counts, rng)[1], counts)
     return float(np.median(monitor.seconds_per_microbatch))
@@ -143,6 +154,54 @@ def slowdown_case(mesh, factor, m, throttle_for, kind):
     }
 
 
+def fsdp_case(m):
+    """Static / balanced / ideal on fsdp=8 with device 7 stalling 2x (parameters sharded, gathered per step)."""
+    import jax
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+    from openhosti_jax.balance import Balancer, Throttle, make_balanced_grad_fn, place_microbatches
+
+    mesh = jax.make_mesh((1, 8), ("data", "fsdp"), axis_types=(AxisType.Auto,) * 2)
+    axis, size = ("data", "fsdp"), 8
+    shards = {"w": NamedSharding(mesh, PartitionSpec("fsdp"))}
+    params, mbs = data(m)
+    params = jax.device_put(params, shards)
+    rng = jax.random.key(0)
+    even = tuple(m // size + (i < m % size) for i in range(size))
+    kw = dict(axis=axis, grad_shardings=shards)
+    free = make_balanced_grad_fn(loss_sum_fn, mesh, capacity=m, **kw)
+    cpu = microbatch_seconds(free, params, mbs, even, rng, axis=axis)
+    # a microbatch takes BASE x its CPU time on every device (the rest a stall: simulated accelerator time, so the 8
+    # devices sharing 2 cores do not queue behind each other), 2 x BASE on device 7: exactly 2x slower
+    throttle = Throttle.for_devices(size, {i: BASE * (2 if i == 7 else 1) for i in range(size)}, cpu)
+    bal = Balancer(loss_sum_fn, mesh, total=m, every=10, throttle=throttle, **kw)
+    unslowed = make_balanced_grad_fn(
+        loss_sum_fn, mesh, capacity=m, throttle=Throttle.for_devices(size, dict.fromkeys(range(size), BASE), cpu), **kw
+    )
+    with jax.set_mesh(mesh):
+        counts = converge(bal, params, mbs, rng)
+        share = int(round(m * BASE / sum(BASE / f for f in throttle.factors) / BASE))
+        ideal_mbs = data(share * size)[1]
+        slots = max(even)
+        t = alternate(
+            {
+                "static": lambda: bal.step_fn(params, place_microbatches(mbs, even, slots, mesh, axis), even, rng),
+                "balanced": lambda: bal(params, mbs, rng),
+                "ideal": lambda: unslowed(
+                    params, place_microbatches(ideal_mbs, (share,) * size, share, mesh, axis), (share,) * size, rng
+                ),
+            }
+        )
+    return {
+        "fsdp_static_over_balanced_2x_straggler": t["static"] / t["balanced"],
+        "fsdp_balanced_over_ideal": t["balanced"] / t["ideal"],
+        "fsdp_balanced_counts": list(bal.counts),
+        "fsdp_converged_counts": list(counts),
+        "fsdp_seconds": t,
+        "fsdp_cpu_per_microbatch_ms": cpu * 1e3,
+    }
+
+
 def overhead_case(mesh, m):
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
@@ -180,6 +239,7 @@ def device_benchmark():
             throttle_for = lambda mb, f=factor, k=kind: Throttle.for_devices(4, {3: f}, mb if k == "stall" else None)
             out.update(slowdown_case(mesh, factor, m, throttle_for, kind))
     out.update(overhead_case(mesh, OVERHEAD_M))
+    out.update(fsdp_case(FSDP_M))
     return out
 
 
@@ -206,12 +266,74 @@ def process_worker(pid, port):
     jax.distributed.shutdown()
 
 
-def process_benchmark(timeout_s=PROCESS_TIMEOUT_S):
+def hostlocal_worker(pid, port):
+    """One of 2 processes: epochs of host-local data unbalanced and balanced in turn, process 1 stalling 2x."""
+    import jax
+    import jax.numpy as jnp
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid, initialization_timeout=60)
+    from jax.experimental import multihost_utils
+    from jax.sharding import AxisType
+
+    from openhosti_jax.balance import Balancer, HostLocalData, Throttle, make_balanced_grad_fn
+    from openhosti_jax.balance.throttle import data_axis_processes
+
+    mesh = jax.make_mesh((4,), ("data",), axis_types=(AxisType.Auto,))
+    m, size, width, rows = 24, 4, *HOSTLOCAL_SHAPE  # ideal: 8 microbatches on each fast device, 4 on each slow
+    r = np.random.default_rng(1)
+    params = {"w": jnp.asarray(r.normal(size=(width, width)), jnp.float32) * 0.05}
+    samples = {"x": r.normal(size=(HOSTLOCAL_STEPS * m * rows, width)).astype(np.float32)}
+    rng, even = jax.random.key(0), (m // size,) * size
+    probe = {"x": samples["x"][: m * rows].reshape(m, rows, width)}
+    mb_s = microbatch_seconds(make_balanced_grad_fn(loss_sum_fn, mesh, capacity=m), params, probe, even, rng)
+    slowed = Throttle.for_processes(mesh, "data", {0: BASE, 1: 2 * BASE}, mb_s)  # see fsdp_case: process 1 is 2x
+    bal = Balancer(loss_sum_fn, mesh, total=m, every=10, throttle=slowed)
+    mine = np.asarray(data_axis_processes(mesh, "data")) == pid
+    gbs = m * rows
+
+    def epoch(counts_of, run):
+        """Seconds of one epoch and the bytes read over the bytes of the samples this process's devices ran."""
+        src = HostLocalData(samples, gbs, microbatches=m, seed=3)
+        share, t0 = 0, time.perf_counter()
+        for _ in range(HOSTLOCAL_STEPS):
+            share += int(np.asarray(counts_of())[mine].sum()) * rows * width * 4
+            jax.block_until_ready(run(next(src)))
+        return time.perf_counter() - t0, src.bytes_read / share
+
+    static = (lambda: even, lambda b: bal.step_fn(params, b.place(even, max(even), mesh), even, rng))
+    balanced = (lambda: bal.counts, lambda b: bal.run(params, b.place(bal.counts, bal.buffer_slots(), mesh), rng))
+    bal.monitor.every = 1
+    epoch(*static)  # compile
+    epoch(*balanced)  # converge, probing every step
+    bal.monitor.every = 10  # then probe every 10 steps as in training
+    times, reads = {"static": [], "balanced": []}, []
+    for _ in range(HOSTLOCAL_REPS):
+        for name, variant in (("static", static), ("balanced", balanced)):
+            seconds, read = epoch(*variant)
+            times[name].append(seconds)
+            reads.append(read)
+    reads = np.asarray(multihost_utils.process_allgather(np.asarray(reads)))
+    if pid == 0:
+        t = {k: float(np.median(v)) for k, v in times.items()}
+        out = {
+            "multihost_static_over_balanced": t["static"] / t["balanced"],
+            "host_bytes_read_over_share": float(reads.max()),
+            "multihost_counts": list(bal.counts),
+            "multihost_epoch_seconds": t,
+            "multihost_cpu_per_microbatch_ms": mb_s * 1e3,
+        }
+        print("RESULT " + json.dumps(out), flush=True)
+    jax.distributed.shutdown()
+
+
+def process_benchmark(timeout_s=PROCESS_TIMEOUT_S, mode="--worker"):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "PYTHONPATH": ROOT}
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker"]
+    cmd = [sys.executable, os.path.abspath(__file__), mode]
+    error = "process_error" if mode == "--worker" else "hostlocal_error"
     quick = ["--quick"] if goals.QUICK else []
     procs = [
         subprocess.Popen([*cmd, str(i), str(port), *quick], env=env, stdout=subprocess.PIPE, text=True) for i in (0, 1)
@@ -220,14 +342,14 @@ def process_benchmark(timeout_s=PROCESS_TIMEOUT_S):
     try:
         outs = [p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0] for p in procs]
     except subprocess.TimeoutExpired:
-        return {"process_error": f"workers ran past {timeout_s} s"}
+        return {error: f"workers ran past {timeout_s} s"}
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
     lines = [x for x in outs[0].splitlines() if x.startswith("RESULT ")]
     if not lines or any(p.returncode for p in procs):
-        return {"process_error": f"workers exited {[p.returncode for p in procs]}"}
+        return {error: f"workers exited {[p.returncode for p in procs]}"}
     return json.loads(lines[-1][len("RESULT ") :])
 
 
@@ -235,6 +357,7 @@ def main():
     t0 = time.perf_counter()
     out = device_benchmark()
     out.update(process_benchmark())
+    out.update(process_benchmark(mode="--hostlocal-worker"))
     out["benchmark_seconds"] = time.perf_counter() - t0
     out["note"] = (
         "headline keys: the slow device stalls (a throttled accelerator: slower, its peers unaffected); *_work "
@@ -247,5 +370,7 @@ def main():
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         process_worker(int(sys.argv[2]), int(sys.argv[3]))
+    elif len(sys.argv) > 1 and sys.argv[1] == "--hostlocal-worker":
+        hostlocal_worker(int(sys.argv[2]), int(sys.argv[3]))
     else:
         main()
