@@ -79,8 +79,9 @@ def write_report(
         "throughput": lambda: figures.throughput_figure(run.metrics),
         "memory": lambda: figures.memory_figure(run.plan),
         "pipeline": lambda: figures.pipeline_figure(run.schedule or schedule),
-        "balance": lambda: figures.balance_figure(run.balance),
+        "balance": lambda: figures.balance_figure(run.balance or figures.balance_records(run.metrics)),
         "checkpoints": lambda: figures.checkpoint_figure(run.checkpoints),
+        "experts": lambda: figures.experts_figure(run.metrics),
     }
     written, skipped = {}, {}
     for name, make in makers.items():

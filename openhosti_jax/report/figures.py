@@ -1,4 +1,4 @@
-"""PNG figures from a run directory: loss, throughput, memory, pipeline Gantt, balancer, checkpoints.
+"""PNG figures from a run directory: loss, throughput, memory, pipeline Gantt, balancer, checkpoints, experts.
 
 matplotlib is imported only here, lazily (``pip install openhosti_jax[viz]``). Each ``*_figure`` function
 returns a `matplotlib.figure.Figure`, or raises `openhosti_jax.errors.MissingDataError` naming what the run did
@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from openhosti_jax.errors import ConfigError, MissingDataError
+from openhosti_jax.models.moe import EXPERT_TOKENS
 from openhosti_jax.pipeline import make_schedule, simulate
 
 FIGSIZE = (8.0, 4.5)
@@ -145,19 +146,38 @@ def pipeline_figure(schedule: dict[str, Any] | None) -> Any:
     return fig
 
 
+def balance_records(metrics: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The balanced step's per-step ``counts`` and ``device_speeds`` as the Trainer logged them in metrics.jsonl."""
+    return [
+        {"step": m["step"], "counts": m["counts"], "device_speeds": m.get("device_speeds")}
+        for m in metrics
+        if isinstance(m.get("counts"), list) and "step" in m
+    ]
+
+
 def balance_figure(balance: Sequence[dict[str, Any]]) -> Any:
-    """Microbatches assigned to each device over the steps the balancer recorded."""
+    """Microbatches assigned to each device over the steps the balancer recorded, and (when recorded) each
+    device's measured speed in microbatches per second."""
     if not balance:
-        raise MissingDataError("no balance.jsonl in the run (the balancer was not used)")
+        raise MissingDataError("no balancer assignments in the run (no balance.jsonl, no 'counts' in metrics.jsonl)")
     steps = [r["step"] for r in balance]
     counts = [r["counts"] for r in balance]
-    fig = new_figure()
+    speeds = [r.get("device_speeds") for r in balance]
+    has_speeds = any(isinstance(s, list) for s in speeds)
+    fig = new_figure(2 if has_speeds else 1)
     ax = fig.axes[0]
     for d in range(len(counts[0])):
         ax.step(steps, [c[d] for c in counts], where="post", label=f"device {d}")
     ax.set(xlabel="step", ylabel="microbatches", title="balancer assignment per device")
     ax.legend(fontsize=7, ncols=2)
     ax.grid(alpha=0.3)
+    if has_speeds:
+        ax = fig.axes[1]
+        for d in range(len(counts[0])):
+            ys = [s[d] if isinstance(s, list) and s[d] is not None else float("nan") for s in speeds]
+            ax.plot(steps, ys, marker="." if len(steps) < 50 else None, label=f"device {d}")
+        ax.set(xlabel="step", ylabel="microbatches / s", title="measured device speed")
+        ax.grid(alpha=0.3)
     return fig
 
 
@@ -169,4 +189,51 @@ def checkpoint_figure(checkpoints: Sequence[dict[str, Any]]) -> Any:
     ax = fig.axes[0]
     ax.bar([r["step"] for r in checkpoints], [1e3 * r["blocking_s"] for r in checkpoints], color="tab:purple")
     ax.set(xlabel="step", ylabel="ms blocked", title="checkpoint save time seen by the training loop")
+    return fig
+
+
+def experts_figure(metrics: Sequence[dict[str, Any]]) -> Any:
+    """A mixture-of-experts run's routing per step (`openhosti_jax.models.moe.moe_metrics`): each expert's share
+    of the routed tokens (left; ``1 / experts`` when balanced), and the dropped fraction and the worst layer's
+    most-loaded expert over the mean (right).
+
+    >>> recs = [{"step": s, "moe_tokens/e0": 3 * s, "moe_tokens/e1": s, "moe_dropped_fraction": 0.1 / s,
+    ...          "moe_imbalance": 1.5} for s in (1, 2)]
+    >>> fig = experts_figure(recs)
+    >>> [float(y) for y in fig.axes[0].lines[0].get_ydata()], [float(y) for y in fig.axes[1].lines[0].get_ydata()]
+    ([0.75, 0.75], [0.1, 0.05])
+    """
+    keys = sorted(
+        {k for m in metrics for k in m if k.startswith(EXPERT_TOKENS)}, key=lambda k: int(k[len(EXPERT_TOKENS) :])
+    )
+    if not keys:
+        raise MissingDataError(f"no {EXPERT_TOKENS}* values in metrics.jsonl (not a mixture-of-experts run)")
+    rows = [m for m in metrics if all(isinstance(m.get(k), int | float) for k in keys)]
+    steps = [m["step"] for m in rows]
+    totals = [sum(m[k] for k in keys) or 1 for m in rows]
+    fig = new_figure(2)
+    left, right = fig.axes
+    marker = "." if len(steps) < 50 else None
+    for k in keys:
+        left.plot(
+            steps,
+            [m[k] / t for m, t in zip(rows, totals, strict=True)],
+            marker=marker,
+            label=k[len(EXPERT_TOKENS) - 1 :],
+        )
+    left.axhline(1 / len(keys), color="grey", linestyle=":", linewidth=1)
+    left.set(xlabel="step", ylabel="share of routed tokens", title=f"tokens per expert ({len(keys)} experts)")
+    if len(keys) <= 16:
+        left.legend(fontsize=7, ncols=2)
+    for key, label, color in (
+        ("moe_dropped_fraction", "dropped fraction", "tab:red"),
+        ("moe_imbalance", "max / mean expert load", "tab:blue"),
+    ):
+        pts = [(m["step"], float(m[key])) for m in metrics if isinstance(m.get(key), int | float)]
+        if pts:
+            right.plot(*zip(*pts, strict=True), marker=marker, color=color, label=label)
+    right.set(xlabel="step", title="dropped tokens and load imbalance")
+    right.legend(fontsize=7)
+    for ax in fig.axes:
+        ax.grid(alpha=0.3)
     return fig

@@ -2,7 +2,8 @@
 
 Layout (every file but ``metrics.jsonl`` is optional; a figure whose data is missing is skipped)::
 
-    DIR/metrics.jsonl      one Trainer record per step: step, loss, step_time_s, tokens_per_s, ...
+    DIR/metrics.jsonl      one Trainer record per step: step, loss, step_time_s, tokens_per_s, ... (a balanced
+                           step adds counts and device_speeds, which the balance figure plots)
     DIR/plan.txt           the printed ShardingPlan
     DIR/plan.json          mesh, zero_stage, num_microbatches, pipeline_stages, predicted/compiled bytes and
                            the memory breakdown {"predicted": {...}, "compiled": {...}, "per_device": [...]}
