@@ -6,18 +6,22 @@ import pytest
 
 from openhosti_jax.pipeline import gpipe, simulate
 from openhosti_jax.report import load_run, write_report
-from openhosti_jax.report.figures import DPI, FIGSIZE, balance_figure, loss_figure, pipeline_figure
+from openhosti_jax.report.figures import DPI, FIGSIZE, balance_figure, experts_figure, loss_figure, pipeline_figure
 from openhosti_jax.report.rundir import append_jsonl, write_json
 
 mpimg = pytest.importorskip("matplotlib.image")
 
 METRICS = [{"step": s, "loss": 3.0 / s, "tokens_per_s": 100.0 + s, "step_time_s": 0.5 / s} for s in range(1, 7)]
 BALANCE = [{"step": 1, "counts": [2, 2, 2, 2]}, {"step": 5, "counts": [3, 3, 1, 1]}]
+MOE = [  # a mixture-of-experts step's metrics (openhosti_jax.models.moe.moe_metrics)
+    {"moe_tokens/e0": 10 + s, "moe_tokens/e1": 10 - s, "moe_dropped_fraction": 0.05 * s, "moe_imbalance": 1 + s / 10}
+    for s in range(1, 7)
+]
 
 
 def make_run(tmp_path, full: bool):
-    for m in METRICS:
-        append_jsonl(tmp_path, "metrics.jsonl", m)
+    for m, moe in zip(METRICS, MOE, strict=True):
+        append_jsonl(tmp_path, "metrics.jsonl", {**m, **moe} if full else m)
     if full:
         write_json(tmp_path, "schedule.json", {"kind": "gpipe", "num_stages": 4, "num_microbatches": 6})
         for r in BALANCE:
@@ -31,7 +35,7 @@ def make_run(tmp_path, full: bool):
 
 def test_full_run_writes_every_figure_at_the_fixed_size(tmp_path):
     rep = write_report(make_run(tmp_path, full=True))
-    assert sorted(rep.figures) == ["balance", "checkpoints", "loss", "memory", "pipeline", "throughput"]
+    assert sorted(rep.figures) == ["balance", "checkpoints", "experts", "loss", "memory", "pipeline", "throughput"]
     assert rep.skipped == {}
     for path in rep.figures.values():
         assert mpimg.imread(path).shape[:2] == (int(FIGSIZE[1] * DPI), int(FIGSIZE[0] * DPI))
@@ -46,7 +50,7 @@ def test_full_run_writes_every_figure_at_the_fixed_size(tmp_path):
 def test_missing_data_is_skipped_with_a_note(tmp_path):
     rep = write_report(make_run(tmp_path, full=False), tmp_path / "out")
     assert sorted(rep.figures) == ["loss", "throughput"]
-    assert set(rep.skipped) == {"memory", "pipeline", "balance", "checkpoints"}
+    assert set(rep.skipped) == {"memory", "pipeline", "balance", "checkpoints", "experts"}
     assert "balance.jsonl" in rep.skipped["balance"]
 
 
@@ -57,6 +61,12 @@ def test_plotted_data_equals_the_records(tmp_path):
     assert [float(y) for y in line.get_ydata()] == [m["loss"] for m in METRICS]
     lines = balance_figure(run.balance).axes[0].lines
     assert [[float(y) for y in ln.get_ydata()] for ln in lines] == [[2, 3], [2, 3], [2, 1], [2, 1]]
+    shares, right = experts_figure(run.metrics).axes
+    assert [[float(y) for y in ln.get_ydata()] for ln in shares.lines[:2]] == [
+        [(10 + s) / 20 for s in range(1, 7)],
+        [(10 - s) / 20 for s in range(1, 7)],
+    ]
+    assert [float(y) for y in right.lines[0].get_ydata()] == [m["moe_dropped_fraction"] for m in MOE]
 
 
 def test_gantt_bubble_equals_gpipe_formula():

@@ -18,6 +18,8 @@ from flax import nnx
 
 from openhosti_jax.errors import PlanningError
 from openhosti_jax.models.gpt import GPT, GPTConfig, next_token_loss
+from openhosti_jax.models.llama import moe_loss
+from openhosti_jax.models.moe import moe_metrics
 from openhosti_jax.planner.choose import choose_plan
 from openhosti_jax.sharding.plan import ShardingPlan
 from openhosti_jax.sharding.report import PlanReport
@@ -38,6 +40,20 @@ def gpt_step(state: Any, tokens: jax.Array) -> tuple[Any, Any]:
 
     value, grads = jax.value_and_grad(loss)(state.params)
     return state.apply_gradients(grads=grads), {"loss": value}
+
+
+def moe_step(state: Any, tokens: jax.Array) -> tuple[Any, Any]:
+    """One next-token training step for a model whose ``with_aux=True`` call returns ``(logits, aux)`` (the MoE
+    `openhosti_jax.models.llama.Llama`): the loss adds the MoE layers' auxiliary losses; the metrics add
+    `openhosti_jax.models.moe.moe_metrics` (tokens per expert and dropped fraction per layer)."""
+
+    def loss(p: Any) -> tuple[jax.Array, Any]:
+        logits, aux = state.apply_fn(p, tokens, with_aux=True, model_state=state.model_state)
+        total, count = next_token_loss(logits, tokens)
+        return total / count + moe_loss(aux), (total / count, aux)
+
+    (value, (lm, aux)), grads = jax.value_and_grad(loss, has_aux=True)(state.params)
+    return state.apply_gradients(grads=grads), {"loss": value, "lm_loss": lm, **moe_metrics(aux)}
 
 
 def example_inputs(name: str) -> tuple[Any, optax.GradientTransformation, jax.ShapeDtypeStruct]:

@@ -141,6 +141,34 @@ def route(cfg: MoEConfig, router: jax.Array, x: jax.Array) -> Routing:
     return r if c is None else r._replace(kept=r.position < c)
 
 
+def moe_metrics(aux: MoEAux | None) -> dict[str, jax.Array]:
+    """A train step's scalar metrics from the MoE layers' `MoEAux` stacked over ``layers`` (as a model's
+    ``with_aux=True`` call returns it; ``{}`` for None): ``moe_aux_loss`` (their losses summed),
+    ``moe_dropped_fraction`` (of all layers' assignments), ``moe_imbalance`` (the most loaded expert's assignments
+    over the mean, in the worst layer: 1 when balanced) and ``moe_tokens/e{i}`` (assignments routed to expert ``i``
+    before any drop, summed over the layers); `openhosti_jax.report` plots the last three.
+
+    >>> aux = MoEAux(*(jnp.zeros((2,)),) * 3, jnp.array([[3, 1], [2, 2]]), jnp.array([0.25, 0.0]))
+    >>> {k: float(v) for k, v in moe_metrics(aux).items()}  # doctest: +NORMALIZE_WHITESPACE
+    {'moe_aux_loss': 0.0, 'moe_dropped_fraction': 0.125, 'moe_imbalance': 1.5, 'moe_tokens/e0': 5.0,
+     'moe_tokens/e1': 3.0}
+    """
+    if aux is None:
+        return {}
+    counts = aux.expert_counts.astype(jnp.float32)
+    out = {
+        "moe_aux_loss": jnp.sum(aux.loss),
+        "moe_dropped_fraction": jnp.mean(aux.dropped_fraction),
+        "moe_imbalance": jnp.max(jnp.max(counts, axis=-1) / jnp.mean(counts, axis=-1)),
+    }
+    total = jnp.sum(aux.expert_counts, axis=0)
+    return out | {f"{EXPERT_TOKENS}{i}": total[i] for i in range(total.shape[0])}
+
+
+EXPERT_TOKENS = "moe_tokens/e"
+"""The prefix of `moe_metrics`' per-expert token counts (``moe_tokens/e0``, ...)."""
+
+
 def _route_local(cfg: MoEConfig, router: jax.Array, x: jax.Array) -> tuple[Routing, jax.Array]:
     """(routing with positions among these tokens, kept all True; int32 counts per expert)."""
     e, k = cfg.num_experts, cfg.top_k
