@@ -51,8 +51,8 @@ PROCESS_KINDS = ("stall",) if goals.QUICK else ("stall", "work")
 OVERHEAD_M = 14 if goals.QUICK else 28
 FSDP_M = 60  # 8 devices, one 2x: ideal share M / 7.5 = 8 (the even split gives the slow device 7)
 BASE = 5  # fsdp and host-local cases: a microbatch takes BASE x its CPU time, 2 x BASE on the slowed device
-HOSTLOCAL_STEPS = 4 if goals.QUICK else 8  # steps per timed epoch (2 processes, 24 microbatches a step)
-HOSTLOCAL_REPS = 3 if goals.QUICK else 7  # epochs per variant, alternated; the median is reported
+HOSTLOCAL_STEPS = 4 if goals.QUICK else 6  # steps per timed epoch (2 processes, 24 microbatches a step)
+HOSTLOCAL_REPS = 3 if goals.QUICK else 5  # epochs per variant, alternated; the median is reported
 HOSTLOCAL_SHAPE = (256, 32) if goals.QUICK else (512, 32)  # width, rows per microbatch
 PROCESS_TIMEOUT_S = 150 if goals.QUICK else 240
 

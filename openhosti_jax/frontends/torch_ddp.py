@@ -47,12 +47,13 @@ changing the module directly) takes the module's values into the train state, ke
 (`openhosti_jax.balanced_step`): each batch is cut into N microbatches of consecutive rows, which a
 `openhosti_jax.balance.Balancer` spreads over the data axis by measured speed (keyword arguments it takes, e.g.
 ``throttle=``, ``every=``, pass through); it is not ``microbatch=``, the accumulation steps of the unbalanced step,
-and the two are refused together. The criterion, a mean over rows, counts as ``(mean * rows, rows)`` per microbatch,
-so the gradient is the mean over the batch's rows as torch's (exact when every row weighs the same in the mean, as in
-a mean over rows or over a fixed number of tokens per row). The plan must keep the parameters replicated over the
-data axis (``"dp"``, the default then, ``"zero1"``, ``"zero2"``); modules with buffers are refused (the balanced
-step carries no buffers, and BatchNorm statistics cannot follow torch's order when devices run different numbers of
-microbatches at once). Microbatch k's dropout key is ``fold_in`` of the step's key and k, whichever device runs it.
+and the two are refused together. Any plan works, ZeRO-3 (``"fsdp"``) included: the balanced step gathers the
+sharded parameters once per step and reduce-scatters the gradient. The criterion, a mean over rows, counts as
+``(mean * rows, rows)`` per microbatch, so the gradient is the mean over the batch's rows as torch's (exact when
+every row weighs the same in the mean, as in a mean over rows or over a fixed number of tokens per row). The plan
+defaults to ``"dp"``; modules with buffers are refused (BatchNorm statistics would have to be combined per
+microbatch as SyncBatchNorm does, and balanced devices run different numbers of microbatches at once). Microbatch
+k's dropout key is ``fold_in`` of the step's key and k, whichever device runs it.
 
 Example:
     >>> import torch
@@ -87,7 +88,6 @@ from openhosti_jax.frontends.torch_dropin import DropIn, device_tensor, host_val
 from openhosti_jax.mesh import MeshConfig, build_mesh
 from openhosti_jax.mesh.distributed import initialize_distributed
 from openhosti_jax.microbatch import split_microbatches
-from openhosti_jax.sharding.plan import ShardingPlan
 from openhosti_jax.state.context import constrain_gradients, current_microbatches
 from openhosti_jax.state.init import abstract_train_state
 from openhosti_jax.train.balanced import BalancedStep
@@ -96,14 +96,6 @@ from openhosti_jax.train.spmd_step import SpmdStep, spmd
 
 _RENAMED = {"loss_fn": "criterion", "microbatches": "balance_microbatches"}
 """Former option names and their names now: a caller using one gets an error naming the new one."""
-
-
-def _zero_stage(plan: PlanChoice) -> int | None:
-    """The ZeRO stage a plan names (None for ``"auto"`` before the planner resolves it)."""
-    if isinstance(plan, ShardingPlan):
-        return plan.zero_stage
-    named = {"fsdp": 3, "zero3": 3, "zero2": 2, "zero1": 1}
-    return named.get(plan) if isinstance(plan, str) else plan
 
 
 class OptimizedDDP(torch.nn.Module):
@@ -234,9 +226,9 @@ class OptimizedDDP(torch.nn.Module):
         sharded by the plan (``"auto"``, the default: the planner's ZeRO stage; ``"fsdp"``: ZeRO-3 over the data
         axis; ``"dp"``, ``"zero1"``, ``"zero2"``), in the module's mode (``train()`` / ``eval()``); with
         ``balance=True`` a load-balanced step
-        (`openhosti_jax.balanced_step`, plan ``"dp"`` by default). Returns the loss; the module's weights are written
-        back by `state_dict` / `sync_module`. The first step resumes from ``checkpoint_dir``'s latest good step if
-        any."""
+        (`openhosti_jax.balanced_step`, plan ``"dp"`` by default, any ZeRO stage). Returns the loss; the module's
+        weights are written back by `state_dict` / `sync_module`. The first step resumes from ``checkpoint_dir``'s
+        latest good step if any."""
         full = self._full
         if full is None:
             raise BridgeError(
@@ -339,15 +331,11 @@ class OptimizedDDP(torch.nn.Module):
                 f"OptimizedDDP passes extra keyword arguments to the Balancer; expected some of {sorted(accepted)}, "
                 f"found {unknown}; fix the names or drop them"
             )
-        if _zero_stage(plan) == 3:
-            raise BridgeError(
-                "a balanced step needs the parameters replicated over the data axis; expected plan='dp', 'zero1' or "
-                f"'zero2', found {plan if isinstance(plan, str | int) else 'a ZeRO-3 plan'}; pass one of those"
-            )
         if self._low.buffer_names:
             raise BridgeError(
-                "balance=True cannot carry module buffers (the balanced step has no model state, and devices run "
-                "their microbatches at the same time, so BatchNorm statistics cannot update in torch's order); "
+                "balance=True cannot carry module buffers: BatchNorm's batch statistics would have to be combined over "
+                "the devices per microbatch as torch's SyncBatchNorm combines them, but balanced devices run different "
+                "numbers of microbatches at once, so there is no common microbatch to take them over; "
                 f"expected a module without buffers, found {list(self._low.buffer_names)}; use the full mode without "
                 "balance, or a module without them (e.g. LayerNorm or GroupNorm for BatchNorm)"
             )
@@ -385,11 +373,6 @@ class OptimizedDDP(torch.nn.Module):
             lambda _: params, full["tx"], self.mesh, plan=full["plan"], apply_fn=apply_fn, seed=full["seed"]
         )
         full["state"] = full["state"].replace(model_state={n: self._replicated_value(v) for n, v in buffers.items()})
-        if full["balance"] is not None and _zero_stage(full["plan"]) == 3:  # "auto" may choose ZeRO-3
-            raise BridgeError(
-                "a balanced step needs the parameters replicated over the data axis; expected a plan of ZeRO stage "
-                "0-2, found that the planner chose ZeRO-3; pass plan='dp', 'zero1' or 'zero2'"
-            )
 
     def _cuts_evenly(self, step: SpmdStep | BalancedStep, rows: int) -> bool:
         """Whether ``step`` cuts this process's ``rows`` evenly: over the devices, and over the microbatches (their
