@@ -70,6 +70,7 @@ def choose_plan(
     remat: str | Sequence[str] = "auto",
     precision: str | Sequence[str] = "fp32",
     cluster: Cluster | str | None = None,
+    accumulate: bool | None = None,
 ) -> tuple[ShardingPlan, PlanReport]:
     """(plan, report): the best `ShardingPlan` for training ``init_fn_or_model`` with ``optimizer`` on ``devices``.
 
@@ -88,6 +89,8 @@ def choose_plan(
     ``cluster``: plan for a cluster that is not attached (a `Cluster` or a name such as ``"64xH100"`` or
     ``"v5p-128"``): its devices replace ``devices``, collectives are priced in each host and across hosts, and
     nothing is compiled (the plan is as predicted).
+    ``accumulate``: whether plans may accumulate gradients over microbatches (default: where ``step_fn`` reads the
+    microbatch count, as `openhosti_jax.make_train_step`'s steps do); True with a step that does not is an error.
     Raises `MemoryBudgetError` when nothing fits, naming the smallest achievable memory.
     """
     if not isinstance(refine, int) or refine < 0:
@@ -120,7 +123,13 @@ def choose_plan(
         sequence_parallel=profile.native_reduce_scatter,
         context=context_sizes(work, n_devices, where.devices_per_host if isinstance(where, Cluster) else n_devices),
     )
-    accumulates = step_fn is not None and step_accumulates(work, optimizer, step_fn)
+    reads_count = step_fn is not None and step_accumulates(work, optimizer, step_fn)
+    if accumulate and step_fn is not None and not reads_count:
+        raise PlanningError(
+            "accumulate=True offers plans that accumulate gradients over microbatches, but the step_fn given does "
+            "not read the microbatch count; build it with openhosti_jax.make_train_step, or leave accumulate unset"
+        )
+    accumulates = reads_count if accumulate is None else accumulate
     scored = search(
         work, optimizer, candidates, where, rules=rules, memory_budget=budget, remats=remats, accumulates=accumulates
     )

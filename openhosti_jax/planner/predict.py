@@ -159,8 +159,10 @@ def predict(
     With ``mesh`` (``{"fsdp": 8}`` or ``"fsdp=8"``) the configuration is fixed (``zero`` default 3 where a batch
     axis shards state else 0, ``remat`` default "none", ``precision`` default "bf16", ``microbatches``);
     without it, the planner chooses among every mesh (pipelines included unless ``pipeline=False``), ZeRO stage,
-    remat policy and precision (``remat`` / ``precision`` restrict it); ``virtual`` > 1 interleaves that many model
-    chunks per pipeline stage and ``sequence_parallel`` splits the activations between blocks over the tensor axis
+    remat policy, precision (``remat`` / ``precision`` restrict it) and gradient accumulation over microbatches
+    (the run is priced as `openhosti_jax.make_train_step`'s step, which accumulates, as every peer stack's trainer
+    does); ``virtual`` > 1 interleaves that many model chunks per pipeline stage and ``sequence_parallel`` splits
+    the activations between blocks over the tensor axis
     (a fixed configuration's; default: where the mesh has a tensor axis, as the planner does). A pipelined mesh
     with a tensor axis needs a stack whose stages split over it (`Stack.pipeline_tensor`), else `PlanningError`.
     ``model_flops_per_token``: the model's training FLOPs per token for the utilisation (default: the traced matmul
@@ -181,6 +183,7 @@ def predict(
             remat=remat or "auto",
             precision=precision or "auto",
             memory_budget=budget,
+            accumulate=True,
         )
         parts = report.predicted_parts or {}
         seconds, nbytes = float(report.predicted_seconds or 0.0), float(report.predicted_bytes or 0)
