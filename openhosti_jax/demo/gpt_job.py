@@ -135,6 +135,7 @@ def build_job(
         mesh = build_mesh(MeshConfig.from_sizes(dict(keep["mesh_shape"])), devices)
         fields = {k: keep[k] for k in ("num_microbatches", "remat", "precision")}
         fields["sequence_parallel"] = bool(keep.get("sequence_parallel", False))
+        fields["collective_matmul"] = bool(keep.get("collective_matmul", False))
         plan, report = resolve_plan(keep["zero_stage"], model_parts(init_fn, mesh=mesh).params, tx, mesh, **fields)
     elif job.plan == "auto" and mesh is None:
         tokens = jax.ShapeDtypeStruct((job.global_batch, job.model.seq_len), jnp.int32)

@@ -21,6 +21,7 @@ from flax import nnx
 
 from openhosti_jax.errors import ConfigError
 from openhosti_jax.models.attention import KERNELS, causal_attention
+from openhosti_jax.models.collective import project_in, project_out
 from openhosti_jax.models.context import STRATEGIES
 from openhosti_jax.policies.remat import keep
 from openhosti_jax.sharding.rules import LAYER_AXIS
@@ -168,15 +169,17 @@ class Block(nnx.Module):
         b, s, _ = x.shape
         nh, a = self.cfg.n_heads, self.cfg.attention_width
         r1, r2 = jax.random.split(rng) if rng is not None else (None, None)
-        q, k, v = jnp.split(keep(self.qkv(self.ln1(x))), 3, axis=-1)  # kept: the 1st and 3rd projections
+        (qkv,) = project_in(self.ln1(x), self.qkv)
+        q, k, v = jnp.split(keep(qkv), 3, axis=-1)  # kept: the 1st and 3rd projections
         q, k, v = (t.reshape(b, s, nh, a // nh) for t in (q, k, v))
         cfg = self.cfg
         y = causal_attention(
             q, k, v, block=cfg.attention_block, context_strategy=cfg.context_strategy, kernel=cfg.attention_kernel
         )
         y = keep(y.reshape(b, s, a))
-        x = x + self._drop(self.proj(y), r1)
-        return x + self._drop(self.out(jax.nn.gelu(keep(self.fc(self.ln2(x))))), r2)
+        x = x + self._drop(project_out(y, self.proj), r1)
+        (h,) = project_in(self.ln2(x), self.fc)
+        return x + self._drop(project_out(jax.nn.gelu(keep(h)), self.out), r2)
 
 
 def stacked_blocks(cfg: GPTConfig, rngs: nnx.Rngs) -> Block:

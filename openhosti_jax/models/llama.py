@@ -38,6 +38,7 @@ from flax import nnx
 from openhosti_jax.errors import ConfigError, StateError
 from openhosti_jax.models.attention import KERNELS, causal_attention
 from openhosti_jax.models.checks import dtype_problem, finite_number, positive_ints
+from openhosti_jax.models.collective import project_in, project_out
 from openhosti_jax.models.context import STRATEGIES
 from openhosti_jax.models.moe import MoEAux, MoEBlock, MoEConfig, moe_layer
 from openhosti_jax.policies.remat import keep
@@ -382,15 +383,16 @@ class Block(nnx.Module):
         b, s, d = x.shape
         kvh, hd = self.cfg.n_kv_heads, self.cfg.head_dim
         group = self.cfg.n_heads // kvh
-        q = apply_rope(keep(self.wq(x)).reshape(b, s, kvh * group, hd), cos, sin)  # kept: every other projection
-        k = apply_rope(self.wk(x).reshape(b, s, kvh, hd), cos, sin)
-        v = keep(self.wv(x)).reshape(b, s, kvh, hd)
+        q, k, v = project_in(x, self.wq, self.wk, self.wv)
+        q = apply_rope(keep(q).reshape(b, s, kvh * group, hd), cos, sin)  # kept: every other projection
+        k = apply_rope(k.reshape(b, s, kvh, hd), cos, sin)
+        v = keep(v).reshape(b, s, kvh, hd)
         cfg = self.cfg  # query head h reads kv head h // group
         y = causal_attention(
             q, k, v, block=cfg.attention_block, context_strategy=cfg.context_strategy, kernel=cfg.attention_kernel
         )
         y = keep(y.reshape(b, s, d))
-        return self.wo(y)
+        return project_out(y, self.wo)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array | tuple[jax.Array, MoEAux]:
         x = x + self.attention(self.attn_norm(x), cos, sin)
@@ -398,7 +400,8 @@ class Block(nnx.Module):
         if hasattr(self, "moe"):
             y, aux = moe_layer(self.moe.cfg, self.moe.weights(), h)
             return x + y, aux
-        return x + keep(self.down(jax.nn.silu(keep(self.gate(h))) * self.up(h)))
+        gate, up = project_in(h, self.gate, self.up)
+        return x + keep(project_out(jax.nn.silu(keep(gate)) * up, self.down))
 
 
 def stacked_blocks(cfg: LlamaConfig, rngs: nnx.Rngs, *, n: int | None = None, moe: bool = False) -> Block:

@@ -659,9 +659,9 @@ def _step_time(lay: _Layout, acts: _Activations, mem: _Memory, comm: _Collective
     launches = 1 if stages > 1 else lay.k  # a pipeline's microbatches are ticks of one program
     work_s = (compute + bandwidth + offload) / stages * bubble
     comm_s = sum(comm.seconds.values())
-    # what the stack cannot overlap waits: a tensor-parallel all-reduce between two dependent matmuls, a
-    # gradient reduction issued after the backward
-    exposed = (0.0 if stack.tensor_overlap else comm.seconds["tensor"]) + (
+    # what the stack cannot overlap waits: a tensor-parallel all-reduce between two dependent matmuls (unless
+    # the plan decomposes it into collective matmuls), a gradient reduction issued after the backward
+    exposed = (0.0 if stack.tensor_overlap or plan.collective_matmul else comm.seconds["tensor"]) + (
         0.0 if stack.grad_overlap else comm.seconds["grad"]
     )
     hidden = max(work_s, comm_s - exposed) + exposed

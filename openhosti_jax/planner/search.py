@@ -33,6 +33,7 @@ from openhosti_jax.planner.calibrate import device_profile
 from openhosti_jax.planner.cluster import Cluster
 from openhosti_jax.planner.cost import Estimate, estimate, kv_width
 from openhosti_jax.planner.profiles import DeviceProfile
+from openhosti_jax.planner.stacks import STACKS
 from openhosti_jax.planner.verify import compiled_step_bytes, step_accumulates
 from openhosti_jax.planner.workload import Workload, measure, measure_step
 from openhosti_jax.policies.optimizers import optimizer_for
@@ -161,6 +162,20 @@ def _family(c: Candidate) -> tuple:
     return (tuple(c.mesh_shape.items()), c.zero_stage, c.zero_axes, c.precision, c.virtual, c.sequence_parallel)
 
 
+def collective_matmul(candidate: Candidate, profile: DeviceProfile | Cluster) -> bool:
+    """Whether ``candidate``'s plan runs its projections as collective matmuls: a sequence-parallel candidate
+    without a pipeline, on a stack that runs them (`Stack.collective_matmul`; attached devices run this library's)
+    and devices that overlap collectives with compute (elsewhere the decomposition only adds steps)."""
+    stack = profile.stack if isinstance(profile, Cluster) else STACKS["openhosti"]
+    device = profile.profile if isinstance(profile, Cluster) else profile
+    return (
+        candidate.sequence_parallel
+        and candidate.mesh_shape["stage"] == 1
+        and stack.collective_matmul
+        and device.overlap
+    )
+
+
 def score(
     work: Workload,
     tx: Optimizer,
@@ -176,6 +191,10 @@ def score(
     when already known for its mesh shape; ``cache``: a dict in which the specs of candidates that differ only in
     remat policy and microbatch count are made once)."""
     sizes = candidate.mesh_shape
+    stack = profile.stack if isinstance(profile, Cluster) else STACKS["openhosti"]
+    if candidate.sequence_parallel and sizes.get("context", 1) > 1 and not stack.context_sequence_parallel:
+        if not collective_matmul(candidate, profile):  # the stack runs this split only with collective matmuls
+            candidate = dataclasses.replace(candidate, sequence_parallel=False)
     microbatches = (
         candidate.microbatches
         if sizes["stage"] == 1 or candidate.microbatches > 1
@@ -204,6 +223,7 @@ def score(
         pipeline_schedule="interleaved" if candidate.virtual > 1 else "1f1b",
         pipeline_virtual=candidate.virtual,
         sequence_parallel=candidate.sequence_parallel,
+        collective_matmul=collective_matmul(candidate, profile),
     )
     if plan.zero_stage == 3:
         sharded = plan.param_specs

@@ -74,6 +74,15 @@ class Stack:
     pipeline_context: bool = True
     """Whether a pipeline stage splits its sequences over a context axis too (Megatron-Core, MaxText and
     torchtitan compose context parallelism with their pipelines); False: a pipelined mesh has no context axis."""
+    collective_matmul: bool = False
+    """Whether the stack runs an unpipelined sequence-parallel plan's tensor-parallel projections as collective
+    matmuls (`openhosti_jax.sharding.ShardingPlan.collective_matmul`): the all-gather and reduce-scatter are rings of
+    steps each beside a matmul, so where the device overlaps collectives with compute (`DeviceProfile.overlap`)
+    the tensor collectives of such a plan hide as ``tensor_overlap``'s do."""
+    context_sequence_parallel: bool = True
+    """Whether a plan that splits sequences over ``context`` can split the blocks' activations along the sequence
+    over ``tensor`` too without collective matmuls; False (this library): only a plan whose projections are
+    collective matmuls does (`openhosti_jax.state.jit.sequence_context` says why)."""
     sources: tuple[str, ...] = ()
     """Where the traits come from."""
 
@@ -141,6 +150,8 @@ STACKS: dict[str, Stack] = {
         attention_on=("H100", "H200", "H100 HBM2e"),
         attention_half_only=True,
         tensor_overlap=False,
+        collective_matmul=True,
+        context_sequence_parallel=False,
         pipeline_context=False,
         sources=(
             "this library on XLA: elementwise ops fused; attention on a GPU in bf16/fp16 is cuDNN's fused flash "
@@ -150,7 +161,10 @@ STACKS: dict[str, Stack] = {
             "on Hopper only (the rate's source); elsewhere query blocks (each block's scores stay in a fusion and "
             "are recomputed in the backward), every block computed and masked; the latency-hiding "
             "scheduler overlaps gradient and ZeRO collectives with other layers' work, but a tensor-parallel "
-            "all-reduce sits between two dependent matmuls of one layer (no collective matmul by default); the "
+            "all-reduce sits between two dependent matmuls of one layer, except in an unpipelined sequence-parallel "
+            "plan, whose projections are collective matmuls (openhosti_jax.models.collective: rings of ppermute "
+            "steps each beside a matmul chunk, tests/test_collective_matmul.py; Wang et al. 2023, ASPLOS, "
+            "'Overlap Communication with Dependent Computation via Decomposition'); the "
             "pipeline executor (openhosti_jax.pipeline.executor) splits each stage's batch over data / fsdp and its "
             "layers over tensor by the unpipelined path's tensor-parallel specs (tests/test_pipeline_tensor.py)",
             *_CUDNN_H100,

@@ -87,6 +87,11 @@ class ShardingPlan:
     """With a ``tensor`` axis: the activations between repeated blocks are split over it along the sequence (Megatron's
     sequence parallelism, MaxText's ``activation_embed`` over ``tensor``), so the blocks' norms and residuals are
     not replicated; the tensor-parallel all-reduce becomes a reduce-scatter and an all-gather of the same bytes."""
+    collective_matmul: bool = False
+    """With ``sequence_parallel`` and no pipeline: the bundled models' tensor-parallel projections run as collective
+    matmuls (`openhosti_jax.models.collective`): the all-gather before a column-parallel projection and the
+    reduce-scatter after a row-parallel one are rings of ``ppermute`` steps, each beside a matmul it does not wait
+    for, so a device that overlaps collectives with compute hides them."""
 
     def __post_init__(self) -> None:
         if self.batch_spec is None:
@@ -96,6 +101,12 @@ class ShardingPlan:
         unknown = set(self.mesh_shape) - set(AXES)
         if unknown:
             raise ShardingError(f"mesh_shape names unknown axes {sorted(unknown)}; expected names from {AXES}")
+        if self.collective_matmul and not (self.sequence_parallel and self.pipeline_stages == 1):
+            raise ShardingError(
+                "collective_matmul decomposes a sequence-parallel block's collectives outside a pipeline; found "
+                f"sequence_parallel={self.sequence_parallel}, pipeline_stages={self.pipeline_stages}; set "
+                "sequence_parallel=True and no stages, or collective_matmul=False"
+            )
         bad = [a for a in spec_axes(self.batch_spec) if a not in self.mesh_shape]
         if bad:
             raise ShardingError(f"batch_spec {self.batch_spec} names unknown mesh axes {bad}; use {AXES}")
@@ -161,6 +172,8 @@ class ShardingPlan:
             text += repr((self.pipeline_stages, self.pipeline_schedule, self.pipeline_virtual, self.stage_boundaries))
         if self.sequence_parallel:
             text += "sequence parallel"
+        if self.collective_matmul:
+            text += "collective matmul"
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def decision(self) -> dict[str, Any]:
@@ -175,6 +188,7 @@ class ShardingPlan:
             "precision": self.precision,
             "pipeline_stages": self.pipeline_stages,
             "sequence_parallel": self.sequence_parallel,
+            "collective_matmul": self.collective_matmul,
         }
 
     def table(self, params: Any | None = None) -> str:
@@ -197,6 +211,7 @@ class ShardingPlan:
             f"  remat           {self.remat}",
             f"  precision       {self.precision}",
             *(["  sequence parallel over tensor"] if self.sequence_parallel else []),
+            *(["  collective matmuls over tensor"] if self.collective_matmul else []),
             f"  sharded leaves  {sum(1 for s in specs if spec_axes(s))}/{len(specs)}",
             "  parameter specs (largest first):" if params is not None else "  parameter specs:",
             *leaf_rows(self.param_specs, params),

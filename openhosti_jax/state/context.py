@@ -44,11 +44,24 @@ def constrain_gradients(grads: Any) -> Any:
 
 
 def active_sequence_sharding(
-    mesh: Any, batch_axes: Any, axis: str = "tensor"
+    mesh: Any, batch_axes: Any, axis: str = "tensor", collective: bool = False
 ) -> contextlib.AbstractContextManager[None]:
     """Within the block, `constrain_sequence` splits an activation's batch dim over ``batch_axes`` and its sequence
-    dim (the second) over ``axis`` of ``mesh``: a plan's sequence parallelism (`ShardingPlan.sequence_parallel`)."""
-    return _setting("sequence_sharding", (mesh, batch_axes, axis))
+    dim (the second) over ``axis`` of ``mesh`` (an axis, or a tuple: ``("context", "tensor")``): a plan's sequence
+    parallelism (`ShardingPlan.sequence_parallel`);
+    ``collective``: the blocks' projections run as collective matmuls (`collective_matmul_mesh`)."""
+    return _setting("sequence_sharding", (mesh, batch_axes, axis, collective))
+
+
+def collective_matmul_mesh() -> tuple[Any, Any, str | None] | None:
+    """``(mesh, batch_axes, context_axis)`` where the enclosing step asks its blocks' tensor-parallel projections to
+    run as collective matmuls (`ShardingPlan.collective_matmul`; ``context_axis``: the axis that splits the
+    sequence outside ``tensor``, or None), else None."""
+    active = getattr(_local, "sequence_sharding", None)
+    if active is None or not active[3]:
+        return None
+    axis = active[2]
+    return active[0], active[1], axis[0] if isinstance(axis, tuple) and len(axis) > 1 else None
 
 
 def sequence_sharded() -> bool:
@@ -62,13 +75,16 @@ def constrain_sequence(x: Any) -> Any:
     active = getattr(_local, "sequence_sharding", None)
     if active is None or not isinstance(x, jax.Array) or x.ndim < 3:
         return x
-    mesh, batch_axes, axis = active
+    mesh, batch_axes, axis, _ = active
     shape = dict(mesh.shape)
     names = batch_axes if isinstance(batch_axes, tuple) else (batch_axes,) if batch_axes else ()
     ways = 1
     for name in names:
         ways *= shape.get(name, 1)
-    if x.shape[0] % ways or x.shape[1] % shape.get(axis, 1):
+    seq = 1
+    for name in axis if isinstance(axis, tuple) else (axis,):
+        seq *= shape.get(name, 1)
+    if x.shape[0] % ways or x.shape[1] % seq:
         return x
     spec = jax.sharding.PartitionSpec(batch_axes, axis, *([None] * (x.ndim - 2)))
     return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, spec))

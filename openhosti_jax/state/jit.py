@@ -120,17 +120,23 @@ def jit_step(
 
 def sequence_context(plan: ShardingPlan, mesh: Mesh) -> contextlib.AbstractContextManager[None]:
     """Where ``plan`` is sequence parallel over a ``tensor`` axis of ``mesh``, the context in which the model's
-    repeated blocks take and return activations split along the sequence over it; else nothing.
+    repeated blocks take and return activations split along the sequence over it (and run their projections as
+    collective matmuls where the plan asks); else nothing.
 
-    Not where the plan splits the batch's sequence over ``context`` (its batch spec has a second entry): the
-    activations are split along the sequence there already, and XLA's SPMD partitioner (jax 0.10.2) miscompiles a
-    weight gradient between the two splits: ``einsum("bsa,bsd->ad")`` of operands placed ``(fsdp, context, tensor)``
-    and ``(fsdp, context+tensor, -)`` into ``(fsdp, -)`` comes out wrong.
+    Where the plan also splits the batch's sequence over ``context`` (its batch spec has a second entry), only with
+    collective matmuls, which split the sequence over ``(context, tensor)``: with XLA's partitioner computing the
+    projections instead, it miscompiles (jax 0.10.2) a weight gradient between the two splits:
+    ``einsum("bsa,bsd->ad")`` of operands placed ``(fsdp, context, tensor)`` and ``(fsdp, context+tensor, -)``
+    into ``(fsdp, -)`` comes out wrong. A collective matmul computes it per device inside `jax.shard_map`.
     """
     spec = tuple(plan.batch_spec)
-    if not plan.sequence_parallel or dict(mesh.shape).get("tensor", 1) < 2 or len(spec) > 1:
+    if not plan.sequence_parallel or dict(mesh.shape).get("tensor", 1) < 2:
         return contextlib.nullcontext()
-    return active_sequence_sharding(mesh, spec[0] if spec else None, "tensor")
+    if len(spec) > 1:
+        if not plan.collective_matmul or spec[1] is None:
+            return contextlib.nullcontext()
+        return active_sequence_sharding(mesh, spec[0], (spec[1], "tensor"), True)
+    return active_sequence_sharding(mesh, spec[0] if spec else None, "tensor", plan.collective_matmul)
 
 
 def jit_eval(
