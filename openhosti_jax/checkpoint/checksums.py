@@ -127,6 +127,22 @@ def has_checksums(step_dir: str | os.PathLike[str]) -> bool:
     return records_complete({p.name for p in record_files(step_dir)})
 
 
+COMPLETE_MARKER = "openhosti_complete.json"
+"""Written in a process's own step folder (per-process directories, `openhosti_jax.checkpoint.local`) once every
+process recorded the step, agreed through the coordinator: with it, that process's record alone completes the step."""
+
+
+def locally_complete(step_dir: str | os.PathLike[str]) -> bool:
+    """Whether a per-process step folder has its process's record and `COMPLETE_MARKER`."""
+    step_dir = epath.Path(step_dir)
+    try:
+        body = json.loads((step_dir / COMPLETE_MARKER).read_text())
+        name = record_name(int(body["process"]), int(body["process_count"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return any(p.name == name for p in record_files(step_dir))
+
+
 def missing_records(step_dir: str | os.PathLike[str], process_count: int) -> list[int]:
     """The processes (of ``process_count``) whose record of the step does not exist yet."""
     names = {p.name for p in record_files(step_dir)}
@@ -413,7 +429,7 @@ def load_records(step_dir: str | os.PathLike[str]) -> tuple[dict[str, list[int]]
             merged.update({rel: [*entry[:2], algorithm] for rel, entry in body["files"].items()})
         except (OSError, ValueError, KeyError, TypeError) as e:
             problems.append(f"checksum record {path} is unreadable ({type(e).__name__}: {e})")
-    if not problems and not has_checksums(step_dir):
+    if not problems and not (has_checksums(step_dir) or locally_complete(step_dir)):
         problems.append(f"checksum records of {step_dir} are incomplete: {sorted(p.name for p in paths)}")
     return merged, problems
 

@@ -7,6 +7,12 @@ devices; the write, the commit, the checksums (`openhosti_jax.checkpoint.checksu
 the files it wrote, paced to leave the CPU to training) and the optional copy to ``replicate_to`` run in the
 background. A step counts as *good* once every process's checksum record exists.
 
+With several processes whose directories are not one shared folder (each host its own local SSD; found out at
+construction), each process writes and checksums the shards it holds into its own directory, and the processes
+agree on completion through the coordinator, not through files: see `openhosti_jax.checkpoint.local`. A restore
+then takes the newest step every process can get, each from its own disk where that copy verifies and from the
+replica otherwise.
+
 `restore` first compares the step's leaves with the state being restored: a changed shape or dtype, an added,
 missing or renamed leaf is a `CheckpointMismatchError` listing every difference (older steps are not tried:
 they were written by the same code). Then each process verifies the files it reads (in threads, while Orbax
@@ -31,6 +37,7 @@ Example:
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import threading
@@ -56,6 +63,7 @@ from openhosti_jax.checkpoint.checksums import (
     has_checksums,
     item_files,
     load_records,
+    locally_complete,
     missing_records,
     record_checksums,
     record_files,
@@ -73,11 +81,21 @@ from openhosti_jax.checkpoint.flat import (
     target_specs,
     unflatten_state,
 )
+from openhosti_jax.checkpoint.local import (
+    directories_shared,
+    mark_complete,
+    orbax_handlers,
+    replica_share,
+    resumable_steps,
+    unrecorded_files,
+)
 from openhosti_jax.checkpoint.policy import SavePolicy
 from openhosti_jax.checkpoint.replicate import (
     fetch_step,
+    prune,
     replica_reachable,
     replica_steps,
+    replicate_files,
     replicate_step,
     step_folders,
 )
@@ -85,6 +103,7 @@ from openhosti_jax.data.protocol import check_json_state
 from openhosti_jax.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, ConfigError
 from openhosti_jax.mesh.barrier import gathered
 
+_LOG = logging.getLogger(__name__)
 _POLL_S = 0.02
 _IDLE_PER_BUSY = 9.0
 """Background checksumming sleeps this long per second of work: at most a tenth of a core beside training."""
@@ -97,15 +116,20 @@ _AGREE_TIMEOUT_S = 3600.0
 while Orbax reads them), before naming the processes that never answered."""
 
 
-def _orbax_manager(directory: epath.Path, *, async_save: bool, read_only: bool) -> Any:
+def _orbax_manager(directory: epath.Path, *, async_save: bool, read_only: bool, shared: bool = True) -> Any:
     # Rotation is ours (`_rotate`), not Orbax's: Orbax deleting a step while its checksums are being written
     # could leave a checksum record over a half-deleted step, which would then look good.
+    multiprocessing = ocp.options.MultiprocessingOptions(primary_host=0 if shared else None)
     options = ocp.CheckpointManagerOptions(
         max_to_keep=None,
         enable_async_checkpointing=async_save,
         cleanup_tmp_directories=not read_only,
         create=not read_only,
         read_only=read_only,
+        multiprocessing_options=multiprocessing,
+        # per-process folders: each process waits for its own directories (Orbax's signal keys get the process
+        # id), not for process 0's "created" signal, which raced with this process's own creation
+        enable_per_process_directory_creation=not shared,
     )
     handlers = {
         # One folder per array (no OCDBT) so a damaged file maps to the array it belongs to.
@@ -113,13 +137,21 @@ def _orbax_manager(directory: epath.Path, *, async_save: bool, read_only: bool) 
         "data": ocp.JsonCheckpointHandler(),
         "meta": ocp.JsonCheckpointHandler(),
     }
+    if not shared:  # each process its own folder, with every shard it holds (`openhosti_jax.checkpoint.local`)
+        handlers = orbax_handlers(multiprocessing)
     return ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
+
+
+def _is_good(step_dir: epath.Path) -> bool:
+    """Every process's record is in the folder (shared, or fetched from the replica), or this process's record and
+    the marker that all processes recorded the step (a per-process local folder)."""
+    return has_checksums(step_dir) or locally_complete(step_dir)
 
 
 def _good_steps(root: epath.Path) -> list[int]:
     if not root.exists():
         return []
-    return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit() and has_checksums(p))
+    return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit() and _is_good(p))
 
 
 def _read_meta(reader: Any, step: int) -> dict[str, Any]:
@@ -169,6 +201,9 @@ class CheckpointManager:
         agree_every: with several processes, time- and signal-triggered saves are decided together at steps
             divisible by this (a tiny all-gather there); step-count saves need no agreement.
         clock: seconds from a monotonic clock, read to decide time-based saves (tests pass a fake one).
+        shared: whether every process's ``directory`` is one shared folder; ``None`` finds out (each process
+            writes a token there and looks for the others', through the coordinator). ``False``: each process
+            keeps its own shards in its own directory (`openhosti_jax.checkpoint.local`).
     """
 
     def __init__(
@@ -182,6 +217,7 @@ class CheckpointManager:
         async_save: bool = True,
         agree_every: int = 10,
         clock: Callable[[], float] = time.monotonic,
+        shared: bool | None = None,
     ) -> None:
         self.policy = SavePolicy(every_minutes=every_minutes, every_steps=every_steps, keep=keep)
         if not (isinstance(agree_every, int) and agree_every >= 1):
@@ -190,7 +226,13 @@ class CheckpointManager:
         self.replicate_to = None if replicate_to is None else os.fspath(replicate_to)
         if self.replicate_to is not None:
             replica_reachable(self.replicate_to)  # credentials that do not work fail now, not at the first save
-        self._mgr = _orbax_manager(self.directory, async_save=async_save, read_only=False)
+        if shared is None:
+            shared = directories_shared(self.directory)
+        self.shared = bool(shared) or jax.process_count() == 1
+        """Whether the processes share ``directory`` (else each writes its own: no shared filesystem needed)."""
+        self._excluded: set[int] = set()  # local good steps another process cannot restore (it lost its copy)
+        self._found_here = False  # this process found a problem in the step being restored
+        self._mgr = _orbax_manager(self.directory, async_save=async_save, read_only=False, shared=self.shared)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="openhosti-checkpoint")
         self._pending: list[Future[None]] = []
         self._replicator = ThreadPoolExecutor(max_workers=1, thread_name_prefix="openhosti-replicate")
@@ -201,6 +243,9 @@ class CheckpointManager:
         """Seconds each replicated step took to reach the replica after its local commit."""
         self.replication_failures: list[str] = []
         """Steps whose copy failed (the next good step's copy catches up)."""
+        self._behind_since: float | None = None  # when the first copy failed since the replica last caught up
+        self.replication_catch_ups: list[tuple[int, float]] = []
+        """(step, seconds the replica lagged behind the local tier) each time it caught up after failed copies."""
         self._threads = default_threads()
         self._verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="openhosti-verify")
         self._started: set[int] = set()
@@ -213,14 +258,16 @@ class CheckpointManager:
         """With several processes, time- and signal-triggered saves are agreed at steps divisible by this."""
         self._old_handlers: dict[int, Any] = {}
         self.preempted = False
+        """Set once a save forced by a signal has committed: the training loop should stop."""
         self.restored_step: int | None = None
         """The step the last `restore` read (after any fallback past a corrupt step)."""
         self.fetched_step: int | None = None
         """The replica step fetched onto the local tier at construction (it was newer than any local good step:
         a replaced machine, a lost or stale local disk), or None."""
-        if self.replicate_to is not None:
+        if not self.shared:
+            self.fetched_step = self._agree_on_start()
+        elif self.replicate_to is not None:
             self.fetched_step = self._fetch_newer_replica()
-        """Set once a save forced by a signal has committed: the training loop should stop."""
 
     # -- saving ------------------------------------------------------------------------------------------
 
@@ -242,11 +289,19 @@ class CheckpointManager:
         scheduled, signalled = self._decide(step)
         if not (force or scheduled):
             return False
-        if step in self._started or step in _good_steps(self.directory):
+        if step in self._started or step in self.good_steps():
             return False
-        if (self.directory / str(step)).exists():  # committed before a crash but never checksummed
-            self._mgr.reload()
-            self._mgr.delete(step)
+        self._excluded.discard(step)
+        stale = self.directory / str(step)
+        if stale.exists():  # committed before a crash but never checksummed (or set aside)
+            if self.shared:  # Orbax's delete is a collective: every process sees this folder
+                self._mgr.reload()
+                self._mgr.delete(step)
+            else:  # only this process has it: its own folder goes, records first (never a good step half deleted)
+                for record in record_files(stale):
+                    record.unlink(missing_ok=True)
+                stale.rmtree(missing_ok=True)
+                self._mgr.reload()
         if data_state is not None:
             check_json_state(data_state, "CheckpointManager.maybe_save(data_state=...)")
         try:
@@ -282,12 +337,19 @@ class CheckpointManager:
 
     def _finish(self, step: int, arrays: dict[str, tuple[tuple[int, ...], Any]]) -> None:
         """Background: wait for the commit, checksum this process's files; process 0 then waits for every
-        process's record and copies the step to the replica."""
+        process's record and copies the step to the replica (per-process directories: `_finish_own`)."""
         path = self.directory / str(step)
+        committed = True
         while not path.exists():
             if not self._mgr.is_saving_in_progress() and not path.exists():
-                return  # the save failed; Orbax reports it from wait()
+                committed = False  # the save failed; Orbax reports it from wait()
+                break
             time.sleep(_POLL_S)
+        if not self.shared:
+            self._finish_own(step, path, arrays, committed)
+            return
+        if not committed:
+            return
         me, count = jax.process_index(), jax.process_count()
         files = files_written_by(path, arrays, me)
         record_checksums(path, files, process=me, process_count=count, pace=self._pace, threads=self._threads)
@@ -305,8 +367,53 @@ class CheckpointManager:
         if self.replicate_to is not None:  # on its own thread: neither training nor a local save waits for it
             with self._copy_lock:
                 self._to_copy.add(step)  # kept by _rotate until its copy is done
-            self._replicating.append(self._replicator.submit(self._replicate, path))
+            self._replicating.append(self._replicator.submit(self._replicate, path, time.monotonic()))
         self._rotate()
+
+    def _finish_own(
+        self, step: int, path: epath.Path, arrays: dict[str, tuple[tuple[int, ...], Any]], committed: bool
+    ) -> None:
+        """Background, per-process directories: record every file of this process's folder, agree with the others
+        through the coordinator that all did, mark the step complete, then upload this process's share of the
+        merged replica step (its record of that share last)."""
+        me, count = jax.process_index(), jax.process_count()
+        problem, record = (None if committed else "its save did not commit"), {}
+        if committed:
+            try:
+                record = record_checksums(
+                    path, item_files(path), process=me, process_count=count, pace=self._pace, threads=self._threads
+                )
+            except CheckpointError as e:
+                problem = str(e)
+        verdicts = gathered(f"checkpoint-saved-{step}", problem, timeout_s=_RECORDS_TIMEOUT_S)
+        failed = {p: v for p, v in enumerate(verdicts) if v}
+        if failed:
+            raise CheckpointError(
+                f"expected every process to record checkpoint step {step} in its own directory, found "
+                + "; ".join(f"process {p}: {v}" for p, v in failed.items())
+                + "; the step is good on no process (an earlier good step stays the one to resume from)"
+            )
+        mark_complete(path, me, count)
+        if self.replicate_to is not None:
+            share = replica_share(path, arrays, me, sorted(record))
+            with self._copy_lock:
+                self._to_copy.add(step)
+            self._replicating.append(self._replicator.submit(self._replicate, path, time.monotonic(), share))
+        self._rotate()
+
+    def _agree_on_start(self) -> int | None:
+        """Per-process directories, on start: agree on the steps every process can restore (from its own disk or
+        the replica). A local step another process cannot get is set aside (`good_steps` leaves it out; saving that
+        step again replaces it), and a process without the newest agreed step fetches it from the replica, so
+        `latest_good_step` is the same on every process."""
+        mine = _good_steps(self.directory)
+        agreed, _ = resumable_steps(mine, self.replica_steps())
+        self._excluded = {s for s in mine if s not in agreed}
+        if not agreed or agreed[0] in mine:
+            return None
+        fetch_step(self.replicate_to, agreed[0], self.directory)
+        self._mgr.reload()
+        return agreed[0]
 
     def _fetch_newer_replica(self) -> int | None:
         """On start: bring the newest complete replica step onto the local tier when no local good step is as new,
@@ -321,18 +428,28 @@ class CheckpointManager:
         self._mgr.reload()
         return remote[-1]
 
-    def _replicate(self, path: epath.Path) -> None:
-        """Background: copy the step to the replica; a failure (the store unreachable) is logged with the lag and
-        the next good step's copy catches up (the replica keeps its previous complete steps meanwhile)."""
+    def _replicate(self, path: epath.Path, committed_at: float, share: list[str] | None = None) -> None:
+        """Background: copy the step to the replica (``share``: this process's part of it, per-process directories);
+        a failure (the store unreachable) is warned about and the next good step's copy catches up (the replica
+        keeps its previous complete steps meanwhile); the lag behind the local tier is logged when it does."""
         step = int(path.name)
-        with self._copy_lock:
-            superseded = any(s > step for s in self._to_copy)
-        t0 = time.monotonic()
+        with self._copy_lock:  # with a share, every process copies every step, so that each step completes
+            superseded = share is None and any(s > step for s in self._to_copy)
         try:
-            if not superseded:  # a newer good step waits to be copied: the replica needs only the newest
+            if share is not None:
+                me = jax.process_index()
+                extra = unrecorded_files(path) if me == 0 else []
+                replicate_files(
+                    path, self.replicate_to, share, process=me, process_count=jax.process_count(), unrecorded=extra
+                )
+                if me == 0:  # one pruner; a step completes only once every share is in, so none is cut short
+                    prune(self.replicate_to, self.policy.keep)
+            elif not superseded:  # a newer good step waits to be copied: the replica needs only the newest
                 replicate_step(path, self.replicate_to, keep=self.policy.keep)
         except Exception as e:  # noqa: BLE001 - replication must never stop training
             self.replication_failures.append(f"step {path.name}: {type(e).__name__}: {str(e)[:300]}")
+            if self._behind_since is None:
+                self._behind_since = committed_at
             warnings.warn(
                 f"checkpoint step {path.name} was not replicated to {self.replicate_to} ({type(e).__name__}: "
                 f"{str(e)[:200]}); the replica's newest complete step is older, and the next save tries again",
@@ -340,7 +457,21 @@ class CheckpointManager:
             )
         else:
             if not superseded:
-                self.replication_lag_s.append(time.monotonic() - t0)
+                now = time.monotonic()
+                self.replication_lag_s.append(now - committed_at)
+                if self._behind_since is not None:
+                    _LOG.warning(
+                        "checkpoint replica %s caught up at step %d: it lagged %.1f s behind the local tier "
+                        "(%d failed copies so far)",
+                        self.replicate_to,
+                        step,
+                        now - self._behind_since,
+                        len(self.replication_failures),
+                    )
+                    self.replication_catch_ups.append((step, now - self._behind_since))
+                    self._behind_since = None
+                else:
+                    _LOG.info("checkpoint step %d replicated %.2f s after its local commit", step, now - committed_at)
         finally:
             with self._copy_lock:
                 self._to_copy.discard(step)
@@ -351,14 +482,14 @@ class CheckpointManager:
         The checksum records go first, so a kill in the middle leaves a folder that is not good, never a good
         step with missing files.
         """
-        good = _good_steps(self.directory)
+        good = self.good_steps()
         if not good:
             return
         drop = set(good[: -self.policy.keep] if self.policy.keep else [])
         drop |= {
             int(p.name)
             for p in self.directory.iterdir()
-            if p.name.isdigit() and int(p.name) < good[-1] and not has_checksums(p)
+            if p.name.isdigit() and int(p.name) < good[-1] and (not _is_good(p) or int(p.name) in self._excluded)
         }
         with self._copy_lock:
             drop -= self._to_copy  # a step still being copied to the replica goes at a later rotation
@@ -379,7 +510,7 @@ class CheckpointManager:
         step = int(step)
         if not self._decide(step)[0]:
             return False
-        return step not in self._started and step not in _good_steps(self.directory)
+        return step not in self._started and step not in self.good_steps()
 
     def _decide(self, step: int) -> tuple[bool, bool]:
         """(save ``step``, a signal asked for it): the same on every process. Step counts are the same everywhere;
@@ -438,7 +569,7 @@ class CheckpointManager:
 
     def good_steps(self) -> list[int]:
         """Committed, checksummed steps, ascending (not yet verified against their checksums)."""
-        return _good_steps(self.directory)
+        return [s for s in _good_steps(self.directory) if s not in self._excluded]
 
     def latest_good_step(self) -> int | None:
         """The newest committed and checksummed step, or ``None``."""
@@ -476,23 +607,29 @@ class CheckpointManager:
             for n, x in zip(leaf_names(abstract_state), jax.tree.leaves(abstract_state), strict=True)
             if isinstance(x, jax.Array)
         }
-        if step is not None and not (self.directory / str(int(step))).exists():
-            raise CheckpointError(
-                f"expected checkpoint step {step} in {self.directory}, found no such folder; committed and "
-                f"checksummed steps there: {self.good_steps()}"
-            )
-        local = [int(step)] if step is not None else _good_steps(self.directory)[::-1]
-        remote = self.replica_steps() if step is None else []
+        local, remote = self._restore_candidates(step)
         # newest step first; a step's local copy before its replica, which is fetched (onto this machine's tier)
-        # when the local copy is missing (a replaced machine) or does not verify
-        attempts = sorted({(s, False) for s in local} | {(s, True) for s in remote}, key=lambda a: (-a[0], a[1]))
+        # when the local copy is missing (a replaced machine) or does not verify. Per-process directories: in the
+        # first round each process reads its own copy and fetches the step only if it has none; in the second
+        # (when some process's copy failed) those whose own copy failed fetch the replica's
+        steps = sorted(set(local) | set(remote), reverse=True)
+        attempts = [
+            (s, r)
+            for s in steps
+            for r in (False, True)
+            if (not r and (s in local or not self.shared)) or (r and s in remote)
+        ]
         if not attempts:
             raise CheckpointError(self._nothing_to_restore())
         failures: list[str] = []
         for i, (s, fetch) in enumerate(attempts):
-            if fetch:
-                fetch_step(self.replicate_to, s, self.directory)
+            if (fetch and (self.shared or self._found_here)) or (not fetch and s not in local):
+                try:
+                    fetch_step(self.replicate_to, s, self.directory)
+                except Exception as e:  # noqa: BLE001 - the others go on with the check: this copy then fails it
+                    warnings.warn(f"could not fetch checkpoint step {s} from {self.replicate_to}: {e}", stacklevel=2)
                 self._mgr.reload()
+            self._found_here = False
             older = [a for a, _ in attempts[i + 1 :] if a != s]
             problems, meta, checking = self._check_step(
                 self._mgr, self.directory, s, target, wanted, concrete if partial else None, verify, older
@@ -506,7 +643,7 @@ class CheckpointManager:
                 except Exception as e:  # noqa: BLE001 - a read failure of intact files: say which
                     failed = f"Orbax failed to read it: {type(e).__name__}: {str(e)[:500]}"
                 late = checking.result() if checking is not None else []
-                problems = _problems_of_all(late or ([failed] if failed else []))
+                problems = self._agree_problems(late or ([failed] if failed else []))
                 if not problems:
                     self.restored_step = s
                     return restored
@@ -520,6 +657,34 @@ class CheckpointManager:
             + "\n  ".join(failures)
             + "\nrestore from another copy (replicate_to) or restart training"
         )
+
+    def _restore_candidates(self, step: int | None) -> tuple[list[int], list[int]]:
+        """(steps to read from this process's directory, steps to fetch from the replica): with per-process
+        directories, only steps every process can get (`openhosti_jax.checkpoint.local.resumable_steps`)."""
+        if self.shared:
+            if step is not None and not (self.directory / str(int(step))).exists():
+                raise CheckpointError(
+                    f"expected checkpoint step {step} in {self.directory}, found no such folder; committed and "
+                    f"checksummed steps there: {self.good_steps()}"
+                )
+            return ([int(step)] if step is not None else self.good_steps()), (
+                self.replica_steps() if step is None else []
+            )
+        mine = self.good_steps()
+        agreed, remote = resumable_steps(mine, self.replica_steps())
+        if step is not None:
+            if int(step) not in agreed:
+                raise CheckpointError(
+                    f"expected checkpoint step {step} on every process (its directory {self.directory} or the "
+                    f"replica {self.replicate_to}), found the steps every process can get: {agreed}"
+                )
+            agreed = [int(step)]
+        return [s for s in agreed if s in mine], [s for s in agreed if s in remote]
+
+    def _agree_problems(self, problems: list[str]) -> list[str]:
+        """`_problems_of_all`, noting whether this process found any (it then fetches the replica's copy)."""
+        self._found_here = self._found_here or bool(problems)
+        return _problems_of_all(problems)
 
     def _nothing_to_restore(self) -> str:
         where, found = [self.directory], []
@@ -574,7 +739,7 @@ class CheckpointManager:
         meta: dict[str, Any] = {}
         if not problems and verify:
             problems = verify_checksums(step_dir, [r for r in record if r.startswith("meta/")], record=record)
-        problems = _problems_of_all(problems)  # every process passes the same ones (each call an exchange)
+        problems = self._agree_problems(problems)  # every process passes the same ones (each call an exchange)
         if problems:
             return problems, meta, None
         try:
@@ -601,7 +766,7 @@ class CheckpointManager:
                 # and the large files are checksummed while Orbax reads them
                 small = {f for f in files if record.get(f, [0])[0] <= _SMALL_FILE}
                 problems = check_sizes(step_dir, files, record) or verify_checksums(step_dir, small, record=record)
-                problems = _problems_of_all(problems)
+                problems = self._agree_problems(problems)
                 if not problems:
                     large = [f for f in files if f not in small]
                     checking = self._verifier.submit(
@@ -609,7 +774,7 @@ class CheckpointManager:
                     )
                     return problems, meta, checking
                 return problems, meta, None
-        return _problems_of_all(problems), meta, None
+        return self._agree_problems(problems), meta, None
 
     def _mismatch_message(
         self,

@@ -10,6 +10,10 @@ for a good one: one cut short (a kill mid-upload, a lost connection) is skipped 
 data files are copied ``threads`` at a time; the checksums travel with them and are verified when the step is
 restored. Steps beyond ``keep`` are pruned, and so are incomplete ones older than the newest complete step.
 
+With per-process local directories (no shared filesystem), each process uploads its share of the merged step
+with `replicate_files`, its record of exactly that share last: the step is complete when every process's record
+is in, so the commit needs no coordination (see `openhosti_jax.checkpoint.local`).
+
 Example:
     >>> import pathlib, tempfile
     >>> from openhosti_jax.checkpoint.checksums import record_name
@@ -22,13 +26,15 @@ Example:
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from openhosti_jax.checkpoint.checksums import is_record, records_complete
-from openhosti_jax.errors import ConfigError
+from openhosti_jax.checkpoint.checksums import is_record, record_name, records_complete
+from openhosti_jax.errors import CheckpointError, ConfigError
 
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
 
@@ -117,16 +123,55 @@ def replicate_step(
     data = [f for f in files if not ("/" not in f and is_record(f))]
     records = [f for f in files if f not in data]
 
+    _upload(fs, step_dir, final, data, threads)
+    _upload(fs, step_dir, final, records, 1)  # the commit: with every record present the step counts as complete
+    prune(dest, keep)
+
+
+def _upload(fs: Any, step_dir: str, final: str, files: list[str], threads: int) -> None:
     def put(rel: str) -> None:
         target = f"{final}/{rel}"
         fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
         fs.put_file(os.path.join(step_dir, rel), target)
 
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-        list(pool.map(put, data))
-    for rel in records:  # the commit: with every record present the step counts as complete
-        put(rel)
-    prune(dest, keep)
+        list(pool.map(put, files))
+
+
+def replicate_files(
+    step_dir: str | os.PathLike[str],
+    dest: str | os.PathLike[str],
+    files: list[str],
+    *,
+    process: int,
+    process_count: int,
+    unrecorded: Sequence[str] = (),
+    threads: int = 8,
+) -> None:
+    """Upload process ``process``'s share ``files`` (relative to its local ``step_dir``) into ``dest/<step>``,
+    with the ``unrecorded`` files no record covers (Orbax's own), then its checksum record of exactly ``files``
+    (the entries of its local record), last.
+
+    An earlier record of this process there is deleted first, so a step re-copied after a crash is complete only
+    once every process's new share is in.
+    """
+    fs, root = replica_fs(dest)
+    step_dir = os.fspath(step_dir)
+    final = f"{root}/{os.path.basename(step_dir.rstrip('/'))}"
+    name = record_name(process, process_count)
+    with open(os.path.join(step_dir, name)) as f:
+        body = json.load(f)
+    missing = sorted(set(files) - set(body["files"]))
+    if missing:
+        raise CheckpointError(
+            f"expected every file of process {process}'s replica share in its record {name}, found {missing[:5]} "
+            "unrecorded; the step's local folder changed after it was checksummed"
+        )
+    if fs.exists(f"{final}/{name}"):
+        fs.rm_file(f"{final}/{name}")
+    _upload(fs, step_dir, final, sorted(files) + list(unrecorded), threads)
+    body["files"] = {rel: body["files"][rel] for rel in sorted(files)}
+    fs.pipe_file(f"{final}/{name}", json.dumps(body).encode())
 
 
 def fetch_step(dest: str | os.PathLike[str], step: int, local: str | os.PathLike[str], threads: int = 8) -> str:
