@@ -2,6 +2,7 @@
 through the client stack users run (fsspec + s3fs + aiobotocore). A machine that lost its local disk resumes from
 the bucket bit for bit; an unreachable store never stops training, and its copies catch up when it is back."""
 
+import logging
 import shutil
 import socket
 import subprocess
@@ -96,11 +97,15 @@ def test_a_replaced_machine_resumes_from_the_bucket(tmp_path, s3):
     fresh.close()
 
 
-def test_an_unreachable_store_never_stops_training_and_the_copies_catch_up(tmp_path, s3):
+def test_an_unreachable_store_never_stops_training_and_the_copies_catch_up(tmp_path, s3, caplog):
+    """The store goes away after step 2: step 4 is saved locally all the same (a warning), step 6's copy catches
+    up once it is back and the lag behind the local tier is logged; a machine that then loses its disk resumes
+    from the bucket with step 6's state bit for bit."""
     from openhosti_jax.checkpoint import CheckpointManager
 
     states = _states()
-    with CheckpointManager(tmp_path / "local", every_minutes=None, replicate_to="s3://ckpt/run") as ckpt:
+    local, url = tmp_path / "local", "s3://ckpt/run"
+    with CheckpointManager(local, every_minutes=None, replicate_to=url) as ckpt:
         ckpt.maybe_save(2, states[2], force=True)
         ckpt.wait()
         assert ckpt.replica_steps() == [2]
@@ -110,9 +115,19 @@ def test_an_unreachable_store_never_stops_training_and_the_copies_catch_up(tmp_p
             ckpt.wait()
         assert ckpt.good_steps() == [2, 4] and len(ckpt.replication_failures) == 1  # training went on
         s3.start()  # back (empty: moto keeps no state across restarts)
-        ckpt.maybe_save(6, states[6], force=True)
-        ckpt.wait()
+        with caplog.at_level(logging.WARNING, logger="openhosti_jax.checkpoint.manager"):
+            ckpt.maybe_save(6, states[6], force=True)
+            ckpt.wait()
         assert ckpt.replica_steps() == [6] and ckpt.replication_failures[0].startswith("step 4")
+        [(step, lag)] = ckpt.replication_catch_ups
+        assert step == 6 and lag >= ckpt.replication_lag_s[-1] > 0  # behind since step 4's commit
+    assert any("caught up at step 6" in r.getMessage() and "lagged" in r.getMessage() for r in caplog.records)
+    shutil.rmtree(local)
+    with CheckpointManager(local, every_minutes=None, replicate_to=url) as fresh:
+        assert fresh.fetched_step == 6
+        restored, _, _ = fresh.restore({"w": jnp.zeros(8), "step": jnp.asarray(0)})
+    np.testing.assert_array_equal(restored["w"], states[6]["w"])
+    assert int(restored["step"]) == 6
 
 
 def test_an_endpoint_that_does_not_answer_is_reported_before_training(tmp_path, s3, monkeypatch):
