@@ -13,6 +13,14 @@ counting as good: write, commit and paced checksums), ``BASE_STEPS`` alone aroun
 saves (half before, half after, so that a change in the machine's other load hits both); medians of per-step
 times.
 
+Replication (the second tier, a local path as the replica: loopback): the same step loop saves the state every
+few steps, each save once the previous one is good locally, alternately with and without ``replicate_to``; the
+time the loop waits on replication is the median `maybe_save` call with a replica minus the median without, over
+the median step (the copies run on their own thread; a difference of medians, so noise can make it slightly
+negative). Restore from the replica (a fresh, empty local directory:
+the newest replica step is fetched, then restored and verified) is timed against a restore from the intact local
+directory, alternating, ``REPS`` each.
+
 On this machine the 8 "devices" and the background writer share 2 CPU cores (and other users' load), so the
 background write takes compute from the step; on accelerators the write runs on host cores the step does not use.
 
@@ -45,6 +53,7 @@ REPS = 3 if goals.QUICK else 5
 # background-save rounds; each times every step during one save and BASE_STEPS steps around it
 BG_ROUNDS, BASE_STEPS = (1, 20) if goals.QUICK else (3, 40)
 ARRAYS, ROWS, COLS = (8, 2048, 2048) if goals.QUICK else (8, 8192, 4096)  # full: 8 x 128 MiB = 1 GiB
+SAVES_PER_ROUND = 3  # replication rounds: saves in one run of the step loop
 
 
 def make_state(mesh):
@@ -119,6 +128,42 @@ def steps_n(fn, w, x, n):
     return times
 
 
+def replication_figures(step, w, x, state, root):
+    """(maybe_save seconds with a replica, without; step seconds; restore seconds from replica, from local)."""
+    calls = {True: [], False: []}
+    steps = []
+    replica = os.path.join(root, "replica")
+    for r in range(REPS):
+        for replicated in (False, True):
+            d = os.path.join(root, f"rep{r}{int(replicated)}")
+            target = replica if replicated else None
+            with CheckpointManager(d, every_minutes=None, keep=2, replicate_to=target) as ckpt:
+                for save in range(1, SAVES_PER_ROUND + 1):
+                    t0 = time.perf_counter()
+                    ckpt.maybe_save(save, state, force=True)
+                    calls[replicated].append(time.perf_counter() - t0)
+                    # train until this save is good locally; its copy to the replica goes on meanwhile
+                    steps += steps_while(step, w, x, lambda ckpt=ckpt, save=save: save in ckpt.good_steps())
+            if replicated and r < REPS - 1:
+                shutil.rmtree(d)
+    local = os.path.join(root, f"rep{REPS - 1}1")
+    abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in state.items()}
+    from_replica, from_local = [], []
+    for r in range(REPS):
+        for fetched in (False, True):
+            d = os.path.join(root, f"fetch{r}") if fetched else local
+            t0 = time.perf_counter()
+            with CheckpointManager(d, every_minutes=None, replicate_to=replica if fetched else None) as ckpt:
+                restored, _, _ = ckpt.restore(abstract)
+                jax.block_until_ready(restored)
+                assert ckpt.restored_step == SAVES_PER_ROUND and (ckpt.fetched_step is not None) == fetched
+            (from_replica if fetched else from_local).append(time.perf_counter() - t0)
+            del restored
+            if fetched:
+                shutil.rmtree(d)
+    return calls[True], calls[False], steps, from_replica, from_local
+
+
 def main():
     mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Auto,))
     state = jax.block_until_ready(make_state(mesh))
@@ -154,6 +199,9 @@ def main():
                 during += steps_while(step, w, x, finished)
             shutil.rmtree(d)
             base += steps_n(step, w, x, BASE_STEPS // 2)
+        with_replica, without_replica, rep_steps, from_replica, from_local = replication_figures(
+            step, w, x, state, os.path.join(root, "replication")
+        )
     finally:
         shutil.rmtree(root, ignore_errors=True)
     med = statistics.median
@@ -164,6 +212,8 @@ def main():
         "step_slowdown_during_save": med(during) / med(base) - 1.0,
         "checksum_seconds_over_save_seconds": med(checksum) / med(sync_block),
         "restore_verify_over_restore": med(verified) / med(plain),
+        "replication_blocking_over_step": (med(with_replica) - med(without_replica)) / med(rep_steps),
+        "restore_from_replica_over_local": med(from_replica) / med(from_local),
         "async_blocking_s": med(async_block),
         "sync_save_s": med(sync_block),
         "sync_save_with_checksums_s": med(sync_total),
@@ -174,6 +224,11 @@ def main():
         "step_s_without_save": med(base),
         "step_s_during_save": med(during),
         "steps_timed_during_save": len(during),
+        "save_call_s_with_replica": med(with_replica),
+        "save_call_s_without_replica": med(without_replica),
+        "step_s_replication_rounds": med(rep_steps),
+        "restore_from_replica_s": med(from_replica),
+        "restore_from_local_s": med(from_local),
         "reps": REPS,
         "background_rounds": BG_ROUNDS,
     }
