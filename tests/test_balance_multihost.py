@@ -1,8 +1,8 @@
 """Processes on 127.0.0.1 reading host-local data: the slowed process reads and runs fewer samples, every sample
 of the epoch is run exactly once over the processes, and the balanced epoch beats the same epoch unbalanced.
 
-Four devices in all (2 processes x 2, or 4 x 1) share the machine's 2 cores; the slowed process stalls (a
-scaled sleep inside its loop) as long again as its measured microbatch time after each microbatch.
+Four devices in all (2 processes x 2, or 4 x 1) share the machine's 2 cores. A scaled sleep inside the loop (a
+`Throttle` stall) makes every microbatch take 5x its measured CPU time, 10x on the slowed process: 2x slower.
 
 Run as a script, this file is one worker: ``python test_balance_multihost.py PROCESS_ID PORT NUM_PROCESSES``.
 """
@@ -54,7 +54,10 @@ def worker(process_id: int, port: int, num_processes: int) -> None:
     probe_batch = next(data).place(even, max(even), mesh)
     for _ in range(5):
         monitor.observe(free.probe(params, probe_batch, even, rng)[1], even)
-    slow = Throttle.for_processes(mesh, "data", {1: 2}, float(np.median(monitor.seconds_per_microbatch)))
+    # every device's microbatch takes 5x its CPU time (the rest a stall standing for accelerator time, so the
+    # processes sharing 2 cores do not queue behind each other), process 1's 10x: exactly 2x slower
+    factors = {p: 10 if p == 1 else 5 for p in range(num_processes)}
+    slow = Throttle.for_processes(mesh, "data", factors, float(np.median(monitor.seconds_per_microbatch)))
     bal = Balancer(heavy_loss, mesh, total=MICROBATCHES, every=1, throttle=slow)
 
     def epoch(run) -> tuple[float, list[int]]:
@@ -121,7 +124,7 @@ def test_a_slowed_process_reads_fewer_samples_and_balancing_beats_the_unbalanced
     assert len(ids[1]) < min(len(part) for k, part in enumerate(ids) if k != 1), [len(x) for x in ids]
     assert all(r["counts"] == results[0]["counts"] for r in results)
     speedup = results[0]["static_s"] / results[0]["balanced_s"]
-    assert speedup > 1.1, results[0]  # 2x slowed process: even split ~2x the ideal time, balanced ~1.2-1.3x it
+    assert speedup > 1.15, results[0]  # 2x slowed process: even split ~1.5x (2 processes) the balanced time
 
 
 if __name__ == "__main__":

@@ -110,7 +110,7 @@ def test_two_processes_shift_work_away_from_the_throttled_one():
     assert a["counts"] == b["counts"]  # every process computed the same assignment
     counts, owners = np.asarray(a["counts"]), np.asarray(a["owners"])
     assert sorted(set(owners.tolist())) == [0, 1]
-    assert counts.sum() == TOTAL and counts.min() >= 1
+    assert counts.sum() == TOTAL and counts[owners == 0].min() >= 1  # a throttled device may drop to zero work
     assert counts[owners == 1].sum() < counts[owners == 0].sum(), a
     assert a["host_seconds"]["1"] > 0 and a["host_seconds"]["0"] > 0
     for res in results:
