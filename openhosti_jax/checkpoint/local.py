@@ -10,16 +10,17 @@ its own shards from its own disk. Nothing is read from another process's folder:
 - **Completion.** Each process checksums every file of its folder into its own record, then the processes
   exchange their outcome through the coordinator (`openhosti_jax.mesh.barrier.gathered`); only when every
   process recorded the step does each write `COMPLETE_MARKER` beside its record. A local step is *good* with its
-  record and that marker (`locally_complete`); a process that died before the exchange leaves a folder that is
-  not good anywhere.
+  record and that marker (`openhosti_jax.checkpoint.checksums.locally_complete`); a process that died before the
+  exchange leaves a folder that is not good anywhere.
 - **Replica.** The replica holds one merged folder per step, the layout a shared directory would have, so it can
   be restored onto any number of hosts. Each process uploads its share (`replica_share`: the chunks of the
   shards whose lowest holder it is, its own ``array_metadatas`` file, and for process 0 every other file), then
-  its record of exactly those files, last. A replica step is complete when all processes' records are there,
-  so the commit needs no coordination: a process's record implies its share is whole.
-- **Resume.** `resumable_steps` is the newest step every process can get, from its own disk or from the replica;
-  `CheckpointManager` restores it, each process from its local copy where that verifies and from the replica
-  otherwise.
+  its record of exactly those files, last, once the coordinator says every process's share is in. A replica
+  step is complete when all processes' records are there, so a reader never takes a half-copied step (or one
+  mixing a crashed attempt's share with a new one) for a whole one.
+- **Resume.** `resumable_steps` are the steps every process can get, from its own disk or from the replica;
+  `CheckpointManager` restores the newest, each process from its local copy where that verifies and from the
+  replica otherwise. A local step some process cannot get is set aside until training saves it again.
 """
 
 from __future__ import annotations

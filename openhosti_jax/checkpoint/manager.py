@@ -439,9 +439,25 @@ class CheckpointManager:
             if share is not None:
                 me = jax.process_index()
                 extra = unrecorded_files(path) if me == 0 else []
-                replicate_files(
-                    path, self.replicate_to, share, process=me, process_count=jax.process_count(), unrecorded=extra
+
+                def all_uploaded(uploaded: bool) -> bool:  # every process's share is in: write the records
+                    return all(gathered(f"checkpoint-replica-{step}", uploaded, timeout_s=_RECORDS_TIMEOUT_S))
+
+                committed = replicate_files(
+                    path,
+                    self.replicate_to,
+                    share,
+                    process=me,
+                    process_count=jax.process_count(),
+                    unrecorded=extra,
+                    before_commit=all_uploaded,
                 )
+                if not committed:
+                    raise CheckpointError(
+                        f"expected every process's share of step {step} in {self.replicate_to}, found some process's "
+                        "upload failed; no record of it is written, so the replica's newest complete step stays "
+                        "the previous one"
+                    )
                 if me == 0:  # one pruner; a step completes only once every share is in, so none is cut short
                     prune(self.replicate_to, self.policy.keep)
             elif not superseded:  # a newer good step waits to be copied: the replica needs only the newest

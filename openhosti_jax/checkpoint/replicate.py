@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -146,14 +146,17 @@ def replicate_files(
     process: int,
     process_count: int,
     unrecorded: Sequence[str] = (),
+    before_commit: Callable[[bool], bool] = lambda uploaded: uploaded,
     threads: int = 8,
-) -> None:
+) -> bool:
     """Upload process ``process``'s share ``files`` (relative to its local ``step_dir``) into ``dest/<step>``,
     with the ``unrecorded`` files no record covers (Orbax's own), then its checksum record of exactly ``files``
-    (the entries of its local record), last.
+    (the entries of its local record), last; True if the record was written.
 
-    An earlier record of this process there is deleted first, so a step re-copied after a crash is complete only
-    once every process's new share is in.
+    An earlier record of this process there is deleted first. ``before_commit(uploaded)`` is called whether or not
+    the upload succeeded and says whether to write the record: `CheckpointManager` passes an exchange through
+    the coordinator, so no process writes its record before every process's old record is gone and its share is
+    in (a step re-copied after a crash never completes with one process's stale share).
     """
     fs, root = replica_fs(dest)
     step_dir = os.fspath(step_dir)
@@ -167,11 +170,19 @@ def replicate_files(
             f"expected every file of process {process}'s replica share in its record {name}, found {missing[:5]} "
             "unrecorded; the step's local folder changed after it was checksummed"
         )
-    if fs.exists(f"{final}/{name}"):
-        fs.rm_file(f"{final}/{name}")
-    _upload(fs, step_dir, final, sorted(files) + list(unrecorded), threads)
+    uploaded = False
+    try:
+        if fs.exists(f"{final}/{name}"):
+            fs.rm_file(f"{final}/{name}")
+        _upload(fs, step_dir, final, sorted(files) + list(unrecorded), threads)
+        uploaded = True
+    finally:  # the others wait for this process's word, uploaded or not
+        commit = before_commit(uploaded)
+    if not commit:
+        return False
     body["files"] = {rel: body["files"][rel] for rel in sorted(files)}
     fs.pipe_file(f"{final}/{name}", json.dumps(body).encode())
+    return True
 
 
 def fetch_step(dest: str | os.PathLike[str], step: int, local: str | os.PathLike[str], threads: int = 8) -> str:
