@@ -1,5 +1,7 @@
 """Balancing under ZeRO-3 / FSDP, and without a fixed cap: exact gradients, zero work and coming back."""
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -49,7 +51,12 @@ def reference_grad(params, data, rng):
     return jax.jit(jax.value_and_grad(total))(params)
 
 
-@pytest.mark.parametrize("shape", [{"data": 1, "fsdp": 8}, {"data": 2, "fsdp": 4}], ids=["fsdp8", "data2_fsdp4"])
+SLOW = [pytest.mark.slow, pytest.mark.timeout(300)]  # 17 s on the 2-core machine: the fast suite runs fsdp=8
+
+
+@pytest.mark.parametrize(
+    "shape", [{"data": 1, "fsdp": 8}, pytest.param({"data": 2, "fsdp": 4}, marks=SLOW)], ids=["fsdp8", "data2_fsdp4"]
+)
 def test_fsdp_balanced_gradient_and_step_equal_the_unbalanced_ones(shape):
     mesh = oh.build_mesh(oh.MeshConfig(**shape))
     state, plan = oh.create_train_state(init, optax.sgd(0.5), mesh, plan="fsdp")
@@ -63,9 +70,8 @@ def test_fsdp_balanced_gradient_and_step_equal_the_unbalanced_ones(shape):
     mbs = {k: v.reshape(M, ROWS, DIN) for k, v in data.items()}
     for counts in [(5, 0, 1, 2, 0, 3, 1, 0), (2, 1, 2, 1, 2, 1, 2, 1), (0, 0, 0, 0, 0, 0, 0, 12)]:
         with jax.set_mesh(mesh):
-            loss, g, n = fn(
-                state.params, place_microbatches(mbs, counts, max(counts), mesh, ("data", "fsdp")), counts, rng
-            )
+            buffer = place_microbatches(mbs, counts, M, mesh, ("data", "fsdp"))  # one buffer shape: one compile
+            loss, g, n = fn(state.params, buffer, counts, rng)
         assert int(n) == M * ROWS
         np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
         for k in g:
@@ -102,9 +108,9 @@ def test_very_slow_devices_drop_to_zero_work_and_come_back_when_fast_again():
     params = jax.device_get(init(None))
     mbs = {k: v.reshape(M, ROWS, DIN) for k, v in batch().items()}
     rng = jax.random.key(0)
-    # every device stalls 10 ms per microbatch (a simulated accelerator's time, large against the CPU overheads);
+    # every device stalls 5 ms per microbatch (a simulated accelerator's time, large against the CPU overheads);
     # devices 1-3 stall 30 x that: device 0 running all 12 is quicker than any of them running one
-    stall = lambda slow: Throttle.for_devices(4, {0: 2, 1: slow, 2: slow, 3: slow}, microbatch_seconds=0.01)
+    stall = lambda slow: Throttle.for_devices(4, {0: 2, 1: slow, 2: slow, 3: slow}, microbatch_seconds=0.005)
     bal = Balancer(loss_sum_fn, mesh, total=M, every=1, retry=3, throttle=stall(31))
     history = []
     for _ in range(2):  # the third probe at zero work would retry them
@@ -123,18 +129,21 @@ def test_very_slow_devices_drop_to_zero_work_and_come_back_when_fast_again():
         np.testing.assert_allclose(np.asarray(g[k]), np.asarray(ref_g[k]), atol=1e-6, rtol=1e-6)
 
 
-def test_noise_does_not_make_a_zero_work_assignment_flap():
+@pytest.mark.parametrize(("noise", "moves"), [(0.03, 0), (0.05, 1)])
+def test_noise_does_not_make_a_zero_work_assignment_flap(noise, moves):
+    """Timing noise below the 5% hysteresis never moves a settled assignment; noise as large moves it at most once."""
     size, total = 4, 16
     rb = Rebalancer(total=total, size=size, capacity=total, floor=0)
-    monitor, counts = Monitor(size, every=1), rb.even()
     true_spmb = np.array([1.0, 1.0, 1.0, 30.0])  # device 3's share (0.18) rounds to nothing
-    r, history = np.random.default_rng(0), []
-    for _ in range(40):
-        secs = np.asarray(counts) * true_spmb * (1 + 0.05 * r.uniform(-1, 1, size))
-        monitor.observe(np.where(np.asarray(counts) > 0, secs, np.nan), counts)
-        counts = rb.update(counts, monitor.speeds())
-        history.append(counts)
-    assert counts[3] == 0 and sum(counts) == total
-    assert len(set(history[2:])) == 1, history  # settled: 5% noise never moves it again
-    exact = Rebalancer(total=total, size=size, capacity=total, floor=0, hysteresis=0.0)
-    assert exact.assign(1 / true_spmb) == counts
+    for seed in range(5):
+        monitor, counts = Monitor(size, every=1), rb.even()
+        r, history = np.random.default_rng(seed), []
+        for _ in range(40):
+            secs = np.asarray(counts) * true_spmb * (1 + noise * r.uniform(-1, 1, size))
+            monitor.observe(np.where(np.asarray(counts) > 0, secs, np.nan), counts)
+            counts = rb.update(counts, monitor.speeds())
+            history.append(counts)
+        assert counts[3] == 0 and sum(counts) == total
+        assert sum(a != b for a, b in itertools.pairwise(history[2:])) <= moves, history
+        best = rb.predicted_time(rb.assign(1 / true_spmb), 1 / true_spmb)  # the optimum at the true speeds
+        assert rb.predicted_time(counts, 1 / true_spmb) <= best * (1 + rb.hysteresis)
