@@ -10,7 +10,7 @@ import pytest
 
 import openhosti_jax as oh
 from openhosti_jax.balance import Balancer, HostLocalData, Throttle
-from openhosti_jax.data import ArrayDataset
+from openhosti_jax.data import ArrayDataset, StatefulIterator
 from openhosti_jax.errors import BalanceError, BatchError
 
 N, B, M, D = 200, 48, 12, 8  # samples, global batch, microbatches per step, features
@@ -79,6 +79,7 @@ def test_the_position_resumes_exactly_after_a_restart_with_a_different_assignmen
     again.set_state(state)
     after = run(again, (6, 4, 2, 0), 4)  # 4 steps: through the end of epoch 0 into epoch 1
     assert before + after == straight
+    assert isinstance(again, StatefulIterator)  # a checkpoint stores its position like any data source's
     assert again.get_state() == {"epoch": 1, "position": 2, "seed": 2, "global_batch_size": B}
     with pytest.raises(BatchError, match="global_batch_size 24"):
         HostLocalData(arrays(), 24, microbatches=M).set_state(state)
