@@ -7,6 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import openhosti_jax as oh
 from openhosti_jax.balance import Balancer, Monitor, Rebalancer, Throttle, make_balanced_grad_fn, place_microbatches
@@ -66,9 +68,18 @@ def test_fsdp_balanced_gradient_and_step_equal_the_unbalanced_ones(shape):
     ref_loss, ref_g = reference_grad(host_params, data, rng)
 
     sh = plan.shardings(mesh, plan.param_specs)
-    fn = make_balanced_grad_fn(loss_sum_fn, mesh, axis=("data", "fsdp"), capacity=M, grad_shardings=sh)
     mbs = {k: v.reshape(M, ROWS, DIN) for k, v in data.items()}
-    for counts in [(5, 0, 1, 2, 0, 3, 1, 0), (2, 1, 2, 1, 2, 1, 2, 1), (0, 0, 0, 0, 0, 0, 0, 12)]:
+    cases = [(5, 0, 1, 2, 0, 3, 1, 0), (2, 1, 2, 1, 2, 1, 2, 1), (0, 0, 0, 0, 0, 0, 0, 12)]
+    # gathered once per step, and per microbatch inside the masked loop (ZeRO-3 memory)
+    for fn, counts in itertools.product(
+        [
+            make_balanced_grad_fn(loss_sum_fn, mesh, axis=("data", "fsdp"), capacity=M, grad_shardings=sh),
+            make_balanced_grad_fn(
+                loss_sum_fn, mesh, axis=("data", "fsdp"), capacity=M, grad_shardings=sh, gather="microbatch"
+            ),
+        ],
+        cases,
+    ):
         with jax.set_mesh(mesh):
             buffer = place_microbatches(mbs, counts, M, mesh, ("data", "fsdp"))  # one buffer shape: one compile
             loss, g, n = fn(state.params, buffer, counts, rng)
@@ -92,6 +103,39 @@ def test_fsdp_balanced_gradient_and_step_equal_the_unbalanced_ones(shape):
         assert new.params[k].sharding.is_equivalent_to(sh[k], new.params[k].ndim)
         want = host_params[k] - 0.5 * np.asarray(ref_g[k])
         np.testing.assert_allclose(np.asarray(new.params[k]), want, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.slow  # 14 s on the 2-core machine
+@pytest.mark.timeout(300)
+def test_the_per_microbatch_gather_mode_times_busy_devices_and_moves_work_off_a_slow_one():
+    mesh = jax.make_mesh((4,), ("fsdp",), devices=jax.devices()[:4])
+    shards = {k: NamedSharding(mesh, P("fsdp") if k != "b1" else P()) for k in ("w1", "b1", "w2")}
+    params = jax.device_put(init(None), shards)
+    mbs = {k: v.reshape(M, ROWS, DIN) for k, v in batch().items()}
+    slow = Throttle.for_devices(4, {3: 4}, microbatch_seconds=0.01)  # device 3 stalls 30 ms per microbatch
+    bal = Balancer(
+        loss_sum_fn, mesh, total=M, axis="fsdp", every=1, throttle=slow, grad_shardings=shards, gather="microbatch"
+    )
+    for _ in range(4):
+        loss, g, n = bal(params, mbs, jax.random.key(0))
+    busy = bal.monitor.last_seconds
+    assert bal.counts[3] < min(bal.counts[:3]) and sum(bal.counts) == M, (bal.counts, busy)
+    assert g["w1"].sharding.is_equivalent_to(shards["w1"], 2)
+    _, ref_g = reference_grad(
+        jax.device_get(params), {k: v.reshape(M * ROWS, DIN) for k, v in mbs.items()}, jax.random.key(0)
+    )
+    np.testing.assert_allclose(np.asarray(g["w2"]), np.asarray(ref_g["w2"]), atol=1e-6, rtol=1e-6)
+
+
+def test_synced_pricing_finds_the_brute_force_optimum():
+    """gather='microbatch' synchronises every iteration: the step lasts sum_j max_{i busy at j} 1/speed_i."""
+    speeds = [1.0, 1.0, 1.0, 0.5]
+    rb = Rebalancer(total=12, size=4, capacity=12, floor=0, synced=True)
+    assert rb.predicted_time((4, 4, 2, 2), speeds) == 2 * 2.0 + 2 * 1.0  # 2 iterations wait on device 3
+    best = min(
+        rb.predicted_time(c, speeds) for c in itertools.product(range(13), repeat=4) if sum(c) == 12
+    )  # brute force
+    assert rb.predicted_time(rb.assign(speeds), speeds) == best == 4.0  # device 3 idle: 4 iterations of 1 s
 
 
 def test_a_global_batch_smaller_than_the_devices_is_refused():

@@ -50,7 +50,7 @@ class Balancer:
     with the largest count, and a device whose share rounds to nothing gets no work (``floor=0``). Such a device
     is retried with one microbatch on a probe step after ``retry`` probes at zero, its stale samples forgotten,
     so it comes back once it is fast again. ``failed`` devices get no work. ``axis`` may name several mesh axes;
-    ``grad_shardings`` (ZeRO-3 / FSDP) go to `make_balanced_grad_fn`.
+    ``grad_shardings`` (ZeRO-3 / FSDP) and ``gather`` go to `make_balanced_grad_fn`.
     """
 
     def __init__(
@@ -69,15 +69,25 @@ class Balancer:
         throttle: Throttle | None = None,
         failed: Sequence[int] = (),
         grad_shardings: Any = None,
+        gather: str = "step",
     ):
         size = axes_size(mesh, axis)
         capacity = total if capacity is None else capacity
         if isinstance(retry, bool) or not isinstance(retry, int) or retry < 1:
             raise BalanceError(f"expected retry= an int >= 1 (probes a device waits at zero work), found {retry!r}")
-        self.rebalancer = Rebalancer(total=total, size=size, capacity=capacity, hysteresis=hysteresis, floor=floor)
+        synced = gather == "microbatch"
+        self.rebalancer = Rebalancer(
+            total=total, size=size, capacity=capacity, hysteresis=hysteresis, floor=floor, synced=synced
+        )
         self.monitor = Monitor(size, every=every, alpha=alpha)
         self.step_fn = make_balanced_grad_fn(
-            loss_sum_fn, mesh, axis=axis, capacity=capacity, throttle=throttle, grad_shardings=grad_shardings
+            loss_sum_fn,
+            mesh,
+            axis=axis,
+            capacity=capacity,
+            throttle=throttle,
+            grad_shardings=grad_shardings,
+            gather=gather,
         )
         self.failed = tuple(failed)
         self.retry = retry

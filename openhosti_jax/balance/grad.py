@@ -38,6 +38,7 @@ from jax.experimental import io_callback
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from openhosti_jax.balance.buffer import Axes, as_axes, axes_size, validate_counts
+from openhosti_jax.balance.gathered import masked_local
 from openhosti_jax.balance.throttle import Throttle
 from openhosti_jax.errors import BalanceError
 from openhosti_jax.state.contracts import SummedLossFn
@@ -119,7 +120,9 @@ class BalancedGradFn:
     ``axis`` may name several mesh axes (``("data", "fsdp")``): every device along them is one balanced position.
     With ``grad_shardings`` (ZeRO-3 / FSDP), the sharded parameters are gathered once per step by XLA before the
     local loop (no collective inside it, so the trip counts may differ) and the gradient leaves the step
-    reduce-scattered to ``grad_shardings``. The buffer's slots per device may be any number up to ``capacity``.
+    reduce-scattered to ``grad_shardings``; ``gather="microbatch"`` keeps them sharded and gathers them in every
+    iteration of a masked loop instead (`openhosti_jax.balance.gathered`). The buffer's slots per device may be any
+    number up to ``capacity``.
 
     ``probe(...)`` returns the same result plus each data position's local-phase seconds, measured by running
     the local phase alone and blocking on each addressable shard from its own thread (NaN for positions owned
@@ -134,8 +137,15 @@ class BalancedGradFn:
         capacity: int,
         throttle: Throttle | None,
         grad_shardings: Any = None,
+        gather: str = "step",
     ):
         axes = as_axes(axis)
+        if gather not in ("step", "microbatch") or (gather == "microbatch" and grad_shardings is None):
+            raise BalanceError(
+                f"expected gather='step' (sharded parameters gathered once per step) or 'microbatch' (gathered in "
+                f"every iteration, ZeRO-3 memory; needs grad_shardings), found gather={gather!r} with "
+                f"grad_shardings={'None' if grad_shardings is None else 'given'}"
+            )
         if not axes or any(a not in mesh.axis_names for a in axes):
             raise BalanceError(f"expected axis {axis!r} to name axes of the mesh {mesh.axis_names}; pass axis=")
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
@@ -177,6 +187,17 @@ class BalancedGradFn:
         self._fused = jax.jit(lambda *args: reduce(partials(*args)))
         self._reduce = jax.jit(reduce)
         self._warm: set[str] = set()
+        self.gather = gather
+        if gather == "microbatch":
+            specs = jax.tree_util.tree_map(lambda sh: sh.spec, grad_shardings)
+
+            def build(timed: bool):
+                body = masked_local(loss_sum_fn, axis, stalls, specs, timed)
+                fn = (lambda p, b, c, r: body(p, b, c, r, None)) if throttle is None else body
+                ins = (specs, *in_specs[1:])
+                return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=ins, out_specs=(rep, specs, rep, data)))
+
+            self._masked, self._masked_timed = build(False), build(True)
 
     def set_throttle(self, throttle: Throttle) -> None:
         """Change the throttled factors without recompiling (the same kind, stall or work, as at construction)."""
@@ -203,12 +224,19 @@ class BalancedGradFn:
         return args if self._extra is None else (*args, self._extra)
 
     def __call__(self, params, buffer, counts: Sequence[int], rng: jax.Array):
-        loss, grads, n_real, _ = self._fused(*self._args(params, buffer, counts, rng))
+        fn = self._masked if self.gather == "microbatch" else self._fused
+        loss, grads, n_real, _ = fn(*self._args(params, buffer, counts, rng))
         return loss, grads, n_real
 
     def probe(self, params, buffer, counts: Sequence[int], rng: jax.Array):
         """``((loss, grads, n_real), seconds)``; ``seconds[i]``: local phase time of data position i."""
         args = self._args(params, buffer, counts, rng)
+        if self.gather == "microbatch":  # the devices end together: each one's busy seconds, timed inside
+            loss, grads, n_real, busy = self._masked_timed(*args)
+            seconds = np.full(self.size, np.nan)
+            for shard in busy.addressable_shards:
+                seconds[shard.index[0].start or 0] = float(np.asarray(shard.data)[0])
+            return (loss, grads, n_real), seconds
         signature = str(jax.tree_util.tree_map(lambda x: (np.shape(x), jnp.result_type(x)), args))
         if signature not in self._warm:  # compile outside the timed region
             jax.block_until_ready(self._local(*args))
@@ -246,6 +274,7 @@ def make_balanced_grad_fn(
     capacity: int,
     throttle: Throttle | None = None,
     grad_shardings: Any = None,
+    gather: str = "step",
 ) -> BalancedGradFn:
     """A `BalancedGradFn` over ``mesh[axis]`` with up to ``capacity`` microbatch slots per device."""
-    return BalancedGradFn(loss_sum_fn, mesh, axis, capacity, throttle, grad_shardings)
+    return BalancedGradFn(loss_sum_fn, mesh, axis, capacity, throttle, grad_shardings, gather)

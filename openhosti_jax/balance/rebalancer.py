@@ -40,6 +40,9 @@ class Rebalancer:
     floor: int = 1
     """The fewest microbatches a live device gets: 1 keeps every device measured; 0 lets a device whose share
     rounds to nothing drop out (`Balancer` retries it now and then so it can come back)."""
+    synced: bool = False
+    """Price a step whose devices synchronise every microbatch (``gather="microbatch"``): its time is
+    ``sum_j max_{i: n_i > j} 1 / speed_i`` rather than ``max_i n_i / speed_i``."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -110,16 +113,37 @@ class Rebalancer:
         for _ in range(self.total - int(n.sum())):
             open_ = [i for i in range(self.size) if n[i] < hi[i] and s[i] > 0]
             n[min(open_, key=lambda i: ((n[i] + 1) / s[i], i))] += 1
-        return tuple(int(v) for v in n)
+        return self._improve(n, speeds, failed, lo, hi) if self.synced else tuple(int(v) for v in n)
+
+    def _improve(self, n: np.ndarray, speeds: Sequence[float], failed: Sequence[int], lo, hi) -> tuple[int, ...]:
+        """Synced pricing: move single microbatches while a move shortens the predicted step (a local search)."""
+        best = self.predicted_time(n, speeds, failed)
+        while True:
+            moves = []
+            for a in range(self.size):
+                for b in range(self.size):
+                    if a != b and n[a] > lo[a] and n[b] < hi[b]:
+                        m = n.copy()
+                        m[a], m[b] = m[a] - 1, m[b] + 1
+                        moves.append((self.predicted_time(m, speeds, failed), a, b, m))
+            if not moves or min(moves, key=lambda x: x[:3])[0] >= best * (1 - 1e-12):
+                return tuple(int(v) for v in n)
+            best, _, _, n = min(moves, key=lambda x: x[:3])
 
     def predicted_time(self, counts: Sequence[int], speeds: Sequence[float], failed: Sequence[int] = ()) -> float:
-        """``max_i counts_i / speed_i``: the step time of ``counts`` at ``speeds`` (inf if infeasible)."""
+        """``max_i counts_i / speed_i`` (synced: ``sum_j max_{i: n_i > j} 1 / speed_i``): the step time of ``counts``
+        at ``speeds`` (inf if infeasible)."""
         s = self._speeds(speeds, failed)
         c = np.asarray(counts, np.float64)
         if (c[s == 0] > 0).any():
             return float("inf")
         live = s > 0
-        return float(np.max(c[live] / s[live]))
+        if not self.synced:
+            return float(np.max(c[live] / s[live]))
+        c, t = c[live], 1.0 / s[live]  # iteration j lasts as long as the slowest device still busy in it
+        order = np.argsort(-c, kind="stable")
+        c, slowest = c[order], np.maximum.accumulate(t[order])
+        return float(np.sum((c - np.append(c[1:], 0.0)) * slowest))
 
     def update(self, current: Sequence[int], speeds: Sequence[float], failed: Sequence[int] = ()) -> tuple[int, ...]:
         """`assign`, unless ``current`` is valid and within ``hysteresis`` of it in predicted step time."""
