@@ -16,10 +16,13 @@ Variants, timed alternately in one process, medians of ``REPS``:
 M is chosen so that the ideal share is an integer (2x: 28, 4x: 26 for devices; 24 / 20 for processes).
 
 FSDP (``fsdp_*`` keys): the same static / balanced / ideal on an fsdp=8 mesh (8 devices, parameters sharded over
-fsdp, gathered once per step, gradient reduce-scattered), device 7 stalling 2x (M = 30, ideal share 4; quick 15).
+fsdp, gathered once per step, gradient reduce-scattered), device 7 2x slow (M = 60, ideal share 8); every
+microbatch takes BASE x its CPU time (the rest a stall standing for accelerator time), BASE x 2 on device 7.
+``fsdp_gather_microbatch_*``: the same with the ZeRO-3 memory mode (parameters gathered in every iteration of a
+masked loop; the iterations synchronise the devices, so the balancer idles the straggler rather than sharing).
 Host-local data (``host_bytes_read_over_share``, ``multihost_static_over_balanced``): 2 processes x 2 devices
-read a `HostLocalData` source by index, process 1 stalls 2x; one epoch unbalanced (even split) against one epoch
-balanced, and the bytes each process read over the bytes of the samples its devices ran (1: only its share).
+read a `HostLocalData` source by index, process 1 2x slow (BASE as above); epochs unbalanced (even split) and
+balanced in turn, and the bytes each process read over the bytes of the samples its devices ran (1: only its share).
 
 Prints one JSON object on its last line (keys and goals in benchmarks/README.md). ``--quick`` (passed on to the
 workers): width 128, 64 rows, 5 reps, the 2x factor only (M = 14 for devices, 12 for processes), both kinds on
@@ -154,8 +157,9 @@ def slowdown_case(mesh, factor, m, throttle_for, kind):
     }
 
 
-def fsdp_case(m):
-    """Static / balanced / ideal on fsdp=8 with device 7 stalling 2x (parameters sharded, gathered per step)."""
+def fsdp_case(m, gather="step", prefix="fsdp_"):
+    """Static / balanced / ideal on fsdp=8 with device 7 stalling 2x (parameters sharded; gathered once per step,
+    or with ``gather="microbatch"`` in every iteration of the masked loop)."""
     import jax
     from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
@@ -168,7 +172,7 @@ def fsdp_case(m):
     params = jax.device_put(params, shards)
     rng = jax.random.key(0)
     even = tuple(m // size + (i < m % size) for i in range(size))
-    kw = dict(axis=axis, grad_shardings=shards)
+    kw = dict(axis=axis, grad_shardings=shards, gather=gather)
     free = make_balanced_grad_fn(loss_sum_fn, mesh, capacity=m, **kw)
     cpu = microbatch_seconds(free, params, mbs, even, rng, axis=axis)
     # a microbatch takes BASE x its CPU time on every device (the rest a stall: simulated accelerator time, so the 8
@@ -193,12 +197,12 @@ def fsdp_case(m):
             }
         )
     return {
-        "fsdp_static_over_balanced_2x_straggler": t["static"] / t["balanced"],
-        "fsdp_balanced_over_ideal": t["balanced"] / t["ideal"],
-        "fsdp_balanced_counts": list(bal.counts),
-        "fsdp_converged_counts": list(counts),
-        "fsdp_seconds": t,
-        "fsdp_cpu_per_microbatch_ms": cpu * 1e3,
+        f"{prefix}static_over_balanced_2x_straggler": t["static"] / t["balanced"],
+        f"{prefix}balanced_over_ideal": t["balanced"] / t["ideal"],
+        f"{prefix}balanced_counts": list(bal.counts),
+        f"{prefix}converged_counts": list(counts),
+        f"{prefix}seconds": t,
+        f"{prefix}cpu_per_microbatch_ms": cpu * 1e3,
     }
 
 
@@ -240,6 +244,7 @@ def device_benchmark():
             out.update(slowdown_case(mesh, factor, m, throttle_for, kind))
     out.update(overhead_case(mesh, OVERHEAD_M))
     out.update(fsdp_case(FSDP_M))
+    out.update(fsdp_case(FSDP_M, gather="microbatch", prefix="fsdp_gather_microbatch_"))
     return out
 
 

@@ -136,6 +136,10 @@ def test_synced_pricing_finds_the_brute_force_optimum():
         rb.predicted_time(c, speeds) for c in itertools.product(range(13), repeat=4) if sum(c) == 12
     )  # brute force
     assert rb.predicted_time(rb.assign(speeds), speeds) == best == 4.0  # device 3 idle: 4 iterations of 1 s
+    # fsdp=8, one device 2x slow, 60 microbatches: idling it takes ceil(60 / 7) = 9 s; giving it n >= 1 costs at
+    # least 2n + ceil((60 - n) / 7) - n >= 10 s, and a single move from the proportional (8, ..., 8, 4) never helps
+    rb8 = Rebalancer(total=60, size=8, capacity=60, floor=0, synced=True)
+    assert rb8.assign([1.0] * 7 + [0.5]) == (9, 9, 9, 9, 8, 8, 8, 0)
 
 
 def test_a_global_batch_smaller_than_the_devices_is_refused():

@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -116,7 +117,19 @@ class Rebalancer:
         return self._improve(n, speeds, failed, lo, hi) if self.synced else tuple(int(v) for v in n)
 
     def _improve(self, n: np.ndarray, speeds: Sequence[float], failed: Sequence[int], lo, hi) -> tuple[int, ...]:
-        """Synced pricing: move single microbatches while a move shortens the predicted step (a local search)."""
+        """Synced pricing: the best of the plain assignment and those that idle the k slowest devices, then single
+        microbatch moves while one shortens the predicted step (a local search)."""
+        plain = dataclasses.replace(self, synced=False)
+        candidates = [n]
+        if self.floor == 0:
+            s = self._speeds(speeds, failed)
+            slowest = [int(i) for i in np.argsort(s, kind="stable") if s[i] > 0]
+            for k in range(1, len(slowest)):
+                try:
+                    candidates.append(np.asarray(plain.assign(speeds, [*failed, *slowest[:k]]), np.int64))
+                except BalanceError:  # the rest cannot hold the step
+                    break
+        n = min(candidates, key=lambda c: self.predicted_time(c, speeds, failed))
         best = self.predicted_time(n, speeds, failed)
         while True:
             moves = []
