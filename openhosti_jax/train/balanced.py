@@ -6,7 +6,8 @@ It is built from a ``loss_sum_fn(params, microbatch, rng) -> (loss_sum, num_real
 real samples. Every device along the plan's batch axes (``data`` and ``fsdp``) is one balanced position. Under
 ZeRO-3 / FSDP the sharded parameters are gathered once per step before the uneven local loop (so the step holds
 the full parameters and one full gradient accumulator per device, as ZeRO-2 does, while the train state stays
-sharded) and the gradient is reduce-scattered back onto the shards. A batch may also be a
+sharded) and the gradient is reduce-scattered back onto the shards; ``gather="microbatch"`` keeps them sharded
+and gathers them in every iteration of a masked loop instead (`openhosti_jax.balance.gathered`). A batch may also be a
 `openhosti_jax.balance.HostLocalBatch` (from `openhosti_jax.balance.HostLocalData`): each process then reads
 only the samples its devices run. The metrics carry ``counts`` (microbatches per position) and
 ``device_speeds`` (measured microbatches per second, None before a position was measured).
