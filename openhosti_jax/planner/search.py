@@ -281,6 +281,11 @@ def policy_variants(candidate: Candidate, work: Workload, remats: Sequence[str],
     return out
 
 
+def _own_factor(work: Workload, c: Candidate) -> float:
+    """The recompute factor ``c``'s remat policy costs by itself (more means the compiler recomputed to fit)."""
+    return work.policy_activations(c.remat, c.precision).flops_factor
+
+
 def search(
     work: Workload,
     tx: Optimizer,
@@ -314,17 +319,25 @@ def search(
         if c.mesh_shape["tensor"] > 1 and (not _uses_tensor(s) or s.estimate.tensor_cuts):
             continue
         found.append((position[id(c)], 0, s))
-        own = work.policy_activations(c.remat, c.precision).flops_factor
-        if memory_budget is not None and s.estimate.bytes > memory_budget or s.estimate.flops_factor > own:
+        if (
+            memory_budget is not None
+            and s.estimate.bytes > memory_budget
+            or s.estimate.flops_factor > _own_factor(work, c)
+        ):
             variants = policy_variants(c, work, remats, accumulates)
         elif c.mesh_shape["stage"] > 1:  # more microbatches shrink a pipeline's bubble: a speed choice too
             variants = policy_variants(c, work, (c.remat,), accumulates)
         else:
             variants = []
-        found += [
-            (position[id(c)], i + 1, score(work, tx, v, profile, sharded_specs=sharded.get(group), **kw))
-            for i, v in enumerate(variants)
-        ]
+        settled: set[str] = set()  # unpipelined: remat policies whose fewest fitting microbatches are scored
+        for i, v in enumerate(variants):  # ascending microbatch counts
+            if v.remat in settled:  # more microbatches of a plan that fits only add loop trips and smaller matmuls
+                continue
+            sv = score(work, tx, v, profile, sharded_specs=sharded.get(group), **kw)
+            found.append((position[id(c)], i + 1, sv))
+            fits = memory_budget is None or sv.estimate.bytes <= memory_budget
+            if c.mesh_shape["stage"] == 1 and fits and sv.estimate.flops_factor <= _own_factor(work, v):
+                settled.add(v.remat)
     out = [s for _, _, s in sorted(found, key=lambda t: t[:2])]
     if not out:
         raise PlanningError(
