@@ -238,6 +238,8 @@ class CheckpointManager:
         self._replicator = ThreadPoolExecutor(max_workers=1, thread_name_prefix="openhosti-replicate")
         self._replicating: list[Future[None]] = []
         self._to_copy: set[int] = set()
+        self._copy_ok = threading.Event()
+        self._copy_ok.set()
         self._copy_lock = threading.Lock()
         self.replication_lag_s: list[float] = []
         """Seconds each replicated step took to reach the replica after its local commit."""
@@ -326,7 +328,11 @@ class CheckpointManager:
             data=ocp.args.JsonSave({"data_state": data_state}),
             meta=ocp.args.JsonSave({"user": meta or {}, "openhosti": info}),
         )
-        self._mgr.save(step, args=args, force=True)
+        self._copy_ok.clear()  # the replica's copy threads start no new file while Orbax copies off the devices
+        try:
+            self._mgr.save(step, args=args, force=True)
+        finally:
+            self._copy_ok.set()
         self._started.add(step)
         self._last_save = self._clock()
         self._pending.append(self._worker.submit(self._finish, step, arrays))
@@ -451,6 +457,7 @@ class CheckpointManager:
                     process_count=jax.process_count(),
                     unrecorded=extra,
                     before_commit=all_uploaded,
+                    gate=self._gate,
                 )
                 if not committed:
                     raise CheckpointError(
@@ -461,7 +468,7 @@ class CheckpointManager:
                 if me == 0:  # one pruner; a step completes only once every share is in, so none is cut short
                     prune(self.replicate_to, self.policy.keep)
             elif not superseded:  # a newer good step waits to be copied: the replica needs only the newest
-                replicate_step(path, self.replicate_to, keep=self.policy.keep)
+                replicate_step(path, self.replicate_to, keep=self.policy.keep, gate=self._gate)
         except Exception as e:  # noqa: BLE001 - replication must never stop training
             self.replication_failures.append(f"step {path.name}: {type(e).__name__}: {str(e)[:300]}")
             if self._behind_since is None:
@@ -491,6 +498,11 @@ class CheckpointManager:
         finally:
             with self._copy_lock:
                 self._to_copy.discard(step)
+
+    def _gate(self) -> None:
+        """Called by the replica's copy threads before each file: wait (up to a minute) while `maybe_save` copies a
+        new step off the devices, so the loop's save call does not share the CPU and memory bandwidth with them."""
+        self._copy_ok.wait(timeout=60.0)
 
     def _rotate(self) -> None:
         """Keep the newest ``keep`` good steps; drop older ones and dead (never checksummed) older folders.

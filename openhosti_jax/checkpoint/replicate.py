@@ -110,7 +110,12 @@ def _local_files(root: str) -> list[str]:
 
 
 def replicate_step(
-    step_dir: str | os.PathLike[str], dest: str | os.PathLike[str], *, keep: int | None, threads: int = 8
+    step_dir: str | os.PathLike[str],
+    dest: str | os.PathLike[str],
+    *,
+    keep: int | None,
+    threads: int = 8,
+    gate: Callable[[], object] | None = None,
 ) -> None:
     """Copy the local ``step_dir`` to ``dest/<its name>``, data files first (``threads`` at a time) and its
     checksum records last (the commit), then keep only the newest ``keep`` complete steps there."""
@@ -123,13 +128,17 @@ def replicate_step(
     data = [f for f in files if not ("/" not in f and is_record(f))]
     records = [f for f in files if f not in data]
 
-    _upload(fs, step_dir, final, data, threads)
+    _upload(fs, step_dir, final, data, threads, gate)
     _upload(fs, step_dir, final, records, 1)  # the commit: with every record present the step counts as complete
     prune(dest, keep)
 
 
-def _upload(fs: Any, step_dir: str, final: str, files: list[str], threads: int) -> None:
+def _upload(
+    fs: Any, step_dir: str, final: str, files: list[str], threads: int, gate: Callable[[], object] | None = None
+) -> None:
     def put(rel: str) -> None:
+        if gate is not None:  # e.g. hold back while the training thread copies a new save off the devices
+            gate()
         target = f"{final}/{rel}"
         fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
         fs.put_file(os.path.join(step_dir, rel), target)
@@ -148,6 +157,7 @@ def replicate_files(
     unrecorded: Sequence[str] = (),
     before_commit: Callable[[bool], bool] = lambda uploaded: uploaded,
     threads: int = 8,
+    gate: Callable[[], object] | None = None,
 ) -> bool:
     """Upload process ``process``'s share ``files`` (relative to its local ``step_dir``) into ``dest/<step>``,
     with the ``unrecorded`` files no record covers (Orbax's own), then its checksum record of exactly ``files``
@@ -174,7 +184,7 @@ def replicate_files(
     try:
         if fs.exists(f"{final}/{name}"):
             fs.rm_file(f"{final}/{name}")
-        _upload(fs, step_dir, final, sorted(files) + list(unrecorded), threads)
+        _upload(fs, step_dir, final, sorted(files) + list(unrecorded), threads, gate)
         uploaded = True
     finally:  # the others wait for this process's word, uploaded or not
         commit = before_commit(uploaded)
