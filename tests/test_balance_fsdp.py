@@ -151,14 +151,17 @@ def test_a_global_batch_smaller_than_the_devices_is_refused():
         step(state, small)
 
 
+@pytest.mark.slow  # 7-15 s on the 2-core machine (real stalls of 20-600 ms per microbatch)
+@pytest.mark.timeout(300)
 def test_very_slow_devices_drop_to_zero_work_and_come_back_when_fast_again():
     mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
     params = jax.device_get(init(None))
     mbs = {k: v.reshape(M, ROWS, DIN) for k, v in batch().items()}
     rng = jax.random.key(0)
-    # every device stalls 5 ms per microbatch (a simulated accelerator's time, large against the CPU overheads);
-    # devices 1-3 stall 30 x that: device 0 running all 12 is quicker than any of them running one
-    stall = lambda slow: Throttle.for_devices(4, {0: 2, 1: slow, 2: slow, 3: slow}, microbatch_seconds=0.005)
+    # every device stalls 20 ms per microbatch (a simulated accelerator's time, large against the CPU time c of a
+    # microbatch); devices 1-3 stall 30 x that: device 0 running all 12 (12 x (20 ms + c)) is quicker than any of
+    # them running one (600 ms) while c < 30 ms, however loaded the machine
+    stall = lambda slow: Throttle.for_devices(4, {0: 2, 1: slow, 2: slow, 3: slow}, microbatch_seconds=0.02)
     bal = Balancer(loss_sum_fn, mesh, total=M, every=1, retry=3, throttle=stall(31))
     history = []
     for _ in range(2):  # the third probe at zero work would retry them

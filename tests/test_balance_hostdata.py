@@ -37,7 +37,7 @@ def used_ids(buffer, counts, slots):
 def test_every_sample_is_used_once_per_epoch_with_a_straggler_and_each_read_once():
     mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
     source = ArrayDataset(arrays(), global_batch_size=B)
-    data = HostLocalData(source, B, microbatches=M, seed=5)
+    data = HostLocalData(source, B, microbatches=M, seed=5, record_ids=True)
     params = {"w": jnp.asarray(np.random.default_rng(1).normal(size=(D, D)), jnp.float32) * 0.3}
     straggler = Throttle.for_devices(4, {3: 4}, microbatch_seconds=0.01)  # device 3 is 4x slower
     bal = Balancer(loss_sum_fn, mesh, total=M, every=1, throttle=straggler)

@@ -61,7 +61,7 @@ def worker(process_id: int, port: int, num_processes: int) -> None:
     bal = Balancer(heavy_loss, mesh, total=MICROBATCHES, every=1, throttle=slow)
 
     def epoch(run) -> tuple[float, list[int]]:
-        data = HostLocalData(samples, batch, microbatches=MICROBATCHES, seed=7, num_epochs=1)
+        data = HostLocalData(samples, batch, microbatches=MICROBATCHES, seed=7, num_epochs=1, record_ids=True)
         jax.block_until_ready(run(next(data)))  # warm-up (compiles), not timed, not counted
         data.set_state({"epoch": 0, "position": 0, "seed": 7, "global_batch_size": batch})
         first, t0 = len(data.ids_read), time.perf_counter()

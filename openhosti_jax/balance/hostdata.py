@@ -72,12 +72,13 @@ class _Reader:
         if self.n < 1:
             raise BatchError(f"the data source has no samples (len {self.n})")
         self.bytes_read = 0
-        self.ids_read: list[int] = []
+        self.ids_read: list[int] | None = None  # a list when recording
 
     def read(self, ids: np.ndarray) -> Any:
         out = self._rows(np.asarray(ids, np.int64))
         self.bytes_read += sum(np.asarray(x).nbytes for x in jax.tree.leaves(out))
-        self.ids_read.extend(int(i) for i in ids)
+        if self.ids_read is not None:
+            self.ids_read.extend(int(i) for i in ids)
         return out
 
 
@@ -137,6 +138,7 @@ class HostLocalData:
         microbatches: pieces each global batch is cut into (the balanced step's ``microbatches``).
         shuffle, seed: a new permutation per epoch from ``seed`` and the epoch number (the same on every process).
         num_epochs: stop after this many epochs (``None``: never stop).
+        record_ids: keep every sample id this process reads in `ids_read` (for checks; it grows with the run).
     """
 
     def __init__(
@@ -148,8 +150,10 @@ class HostLocalData:
         shuffle: bool = True,
         seed: int = 0,
         num_epochs: int | None = None,
+        record_ids: bool = False,
     ) -> None:
         self._reader = _Reader(source)
+        self._reader.ids_read = [] if record_ids else None
         n = self._reader.n
         bad = [
             f"{k}={v!r}"
@@ -180,7 +184,9 @@ class HostLocalData:
 
     @property
     def ids_read(self) -> list[int]:
-        """Every sample id this process has read, in reading order."""
+        """Every sample id this process has read, in reading order (``record_ids=True``)."""
+        if self._reader.ids_read is None:
+            raise BatchError("HostLocalData records the ids it reads only with record_ids=True")
         return self._reader.ids_read
 
     def epoch_order(self, epoch: int) -> np.ndarray:
