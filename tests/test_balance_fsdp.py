@@ -114,12 +114,22 @@ def test_the_per_microbatch_gather_mode_times_busy_devices_and_moves_work_off_a_
     mbs = {k: v.reshape(M, ROWS, DIN) for k, v in batch().items()}
     slow = Throttle.for_devices(4, {3: 4}, microbatch_seconds=0.01)  # device 3 stalls 30 ms per microbatch
     bal = Balancer(
-        loss_sum_fn, mesh, total=M, axis="fsdp", every=1, throttle=slow, grad_shardings=shards, gather="microbatch"
+        loss_sum_fn,
+        mesh,
+        total=M,
+        axis="fsdp",
+        every=1,
+        retry=10,
+        throttle=slow,
+        grad_shardings=shards,
+        gather="microbatch",
     )
     for _ in range(4):
         loss, g, n = bal(params, mbs, jax.random.key(0))
-    busy = bal.monitor.last_seconds
-    assert bal.counts[3] < min(bal.counts[:3]) and sum(bal.counts) == M, (bal.counts, busy)
+    spmb = bal.monitor.seconds_per_microbatch  # busy seconds per microbatch, timed inside the synchronised loop
+    assert spmb[3] > 3 * spmb[:3].max(), spmb  # the stall (30 ms) against a few ms of CPU
+    # synced pricing leaves the straggler idle (or nearly); the fast devices' own timing noise may concentrate work
+    assert bal.counts[3] == min(bal.counts) <= 1 and sum(bal.counts) == M, (bal.counts, spmb)
     assert g["w1"].sharding.is_equivalent_to(shards["w1"], 2)
     _, ref_g = reference_grad(
         jax.device_get(params), {k: v.reshape(M * ROWS, DIN) for k, v in mbs.items()}, jax.random.key(0)
