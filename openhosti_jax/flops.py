@@ -1,6 +1,8 @@
 """The one FLOP counter: FLOPs of a jaxpr, read from its equations, nothing compiled.
 
-A ``dot_general`` costs ``2 x output size x contracted size``, a convolution ``2 x output size x kernel window x
+A ``dot_general`` costs ``2 x output size x contracted size``, a grouped matmul (``ragged_dot_general``, what
+`jax.lax.ragged_dot` and its transposes trace to) ``2 x lhs size x the rhs's free dims`` (``2 m k n`` for lhs
+``(m, k)`` and rhs ``(groups, k, n)``: each row meets one group), a convolution ``2 x output size x kernel window x
 input features``; with ``matmul_only=False`` every other primitive costs one FLOP per output element. Nested jaxprs
 count by the one rule of `openhosti_jax.jaxpr_walk`: a ``scan`` body once per trip, of a ``cond`` / ``switch`` only
 the most expensive branch (one branch runs), a ``while`` predicate and body once each (the trip count is not known
@@ -34,6 +36,28 @@ def dot_flops(eqn: Any) -> float:
     return 2.0 * k * math.prod(eqn.outvars[0].aval.shape)
 
 
+def ragged_dot_flops(eqn: Any) -> float:
+    """FLOPs of one ``ragged_dot_general`` equation: 2 x the lhs's size x the rhs dims that are neither contracted,
+    batch nor group dims (each lhs row is multiplied by its own group's matrix only).
+
+    >>> import jax, jax.numpy as jnp
+    >>> f = lambda x, w: jax.lax.ragged_dot(x, w, jnp.array([2, 6], jnp.int32))
+    >>> ragged_dot_flops(jax.make_jaxpr(f)(jnp.ones((8, 4)), jnp.ones((2, 4, 3))).jaxpr.eqns[-1])  # 2 x 8 x 4 x 3
+    192.0
+    """
+    nums = eqn.params["ragged_dot_dimension_numbers"]
+    (_, rc), (_, rb) = nums.dot_dimension_numbers
+    rhs = eqn.invars[1].aval.shape
+    skip = {*rc, *rb, *nums.rhs_group_dimensions}
+    free = math.prod(n for d, n in enumerate(rhs) if d not in skip)
+    return 2.0 * math.prod(eqn.invars[0].aval.shape) * free
+
+
+def ragged_groups(eqn: Any) -> int:
+    """Groups of a ``ragged_dot_general`` equation (the length of its group sizes operand)."""
+    return int(eqn.invars[2].aval.shape[-1])
+
+
 def _conv_flops(eqn: Any) -> float:
     rhs = eqn.invars[1].aval.shape
     out_features = rhs[eqn.params["dimension_numbers"].rhs_spec[0]]
@@ -52,6 +76,8 @@ def count_flops(jaxpr: Any, *, matmul_only: bool = False) -> float:
             total += sum(c.trips * price(c.jaxpr) for c in inner)
         elif name == "dot_general":
             total += dot_flops(eqn)
+        elif name == "ragged_dot_general":
+            total += ragged_dot_flops(eqn)
         elif name == "conv_general_dilated":
             total += _conv_flops(eqn)
         elif not matmul_only:

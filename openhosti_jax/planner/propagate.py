@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 
 from jax.extend.core import Literal
 
-from openhosti_jax.flops import dot_flops, matmul_flops
+from openhosti_jax.flops import dot_flops, matmul_flops, ragged_dot_flops
 from openhosti_jax.jaxpr_walk import Call, calls
 from openhosti_jax.sizes import leaf_bytes
 
@@ -59,11 +59,16 @@ def _reshape(d: int, old: Sequence[int], new: Sequence[int], t: int) -> Dim:
 
 
 def _dot(eqn: Any, dl: Dim, dr: Dim) -> tuple[Dim, bool]:
-    """(marked output dim, whether the matmul is computed split)."""
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    lrank, rrank = (len(v.aval.shape) for v in eqn.invars)
+    """(marked output dim, whether the matmul is computed split); a grouped matmul (``ragged_dot_general``) as a
+    ``dot_general`` whose rhs group dim is neither free nor contracted (its output has no such dim)."""
+    if eqn.primitive.name == "ragged_dot_general":
+        nums = eqn.params["ragged_dot_dimension_numbers"]
+        ((lc, rc), (lb, rb)), group = nums.dot_dimension_numbers, tuple(nums.rhs_group_dimensions)
+    else:
+        ((lc, rc), (lb, rb)), group = eqn.params["dimension_numbers"], ()
+    lrank, rrank = (len(v.aval.shape) for v in eqn.invars[:2])
     lfree = [i for i in range(lrank) if i not in lc and i not in lb]
-    rfree = [i for i in range(rrank) if i not in rc and i not in rb]
+    rfree = [i for i in range(rrank) if i not in rc and i not in rb and i not in group]
     for d, batch, free, offset in ((dl, lb, lfree, len(lb)), (dr, rb, rfree, len(lb) + len(lfree))):
         if d is None:
             continue
@@ -142,10 +147,15 @@ def propagate(jaxpr: Any, in_dims: Sequence[Dim], t: int) -> Propagation:
                 if call.results is not None:
                     dims.update(zip(call.results, _outer_dims(call, inner), strict=True))
             continue
-        if eqn.primitive.name == "dot_general":
+        grouped = (
+            eqn.primitive.name == "ragged_dot_general"
+            and eqn.params["ragged_dot_dimension_numbers"].rhs_group_dimensions
+        )  # the forward's grouped matmul (a transpose's ragged contraction stays unsplit)
+        if eqn.primitive.name == "dot_general" or grouped:
             out, split = _dot(eqn, *ins[:2])
             dims[eqn.outvars[0]] = out
-            splits += dot_flops(eqn) if split else 0.0
+            flops = dot_flops(eqn) if eqn.primitive.name == "dot_general" else ragged_dot_flops(eqn)
+            splits += flops if split else 0.0
             if split:
                 whole.update(v for v, d in zip(eqn.invars[:2], ins[:2], strict=True) if d is None)
             continue

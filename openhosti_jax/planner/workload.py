@@ -28,11 +28,11 @@ import optax
 from jax.extend.core import Literal
 
 from openhosti_jax.errors import BatchError
-from openhosti_jax.flops import count_flops, dot_flops, matmul_flops
+from openhosti_jax.flops import count_flops, dot_flops, matmul_flops, ragged_dot_flops, ragged_groups
 from openhosti_jax.jaxpr_walk import calls, is_remat
 from openhosti_jax.planner.propagate import propagate
 from openhosti_jax.policies.remat import KEEP_NAME, RECOMPUTE_FRACTION
-from openhosti_jax.sharding.rules import LAYER_AXIS, logical_names, unbox
+from openhosti_jax.sharding.rules import EXPERTS, LAYER_AXIS, logical_names, unbox
 from openhosti_jax.sizes import leaf_bytes
 from openhosti_jax.state.context import active_policies
 from openhosti_jax.state.contracts import ApplyFn
@@ -172,16 +172,54 @@ class Workload:
         >>> w.gemm_sizes()  # one example's 1 x 256 by 256 x 512
         ((131072.0, 1.0),)
         """
+        merged: dict[float, float] = {}
+        for mnk, share, _ in self.gemm_table(batched):
+            merged[mnk] = merged.get(mnk, 0.0) + share
+        return tuple(sorted(merged.items()))
+
+    def gemm_table(self, batched: bool | None = None) -> tuple[tuple[float, float, bool], ...]:
+        """`gemm_sizes` with each size marked grouped or not: a grouped matmul (``ragged_dot_general``, a
+        mixture-of-experts layer's experts) counts one group's ``M N K`` (its rows over the groups: the per-expert
+        token count when routing is balanced), which expert parallelism multiplies by the ``expert`` axis's size
+        (each device's experts get the rows of that many devices)."""
         if self.jaxpr is None:
             return ()
 
-        def walk() -> tuple[tuple[float, float], ...]:
-            sizes: dict[float, float] = {}
+        def walk() -> tuple[tuple[float, float, bool], ...]:
+            sizes: dict[tuple[float, bool], float] = {}
             _gemms(self.jaxpr, 1.0, sizes, batched)
             total = sum(sizes.values())
-            return tuple((mnk, f / total) for mnk, f in sorted(sizes.items())) if total else ()
+            return tuple((mnk, f / total, g) for (mnk, g), f in sorted(sizes.items())) if total else ()
 
         return self.memo(("gemms", batched), walk)
+
+    def experts(self) -> ExpertWork:
+        """The mixture-of-experts layers' work per example (`ExpertWork`), from the parameters' logical names (the
+        expert count: the size of a dim named ``"experts"``) and the trace (the grouped matmuls); zeros for a dense
+        model.
+
+        >>> from openhosti_jax.models.presets import model_preset
+        >>> p = model_preset("mixtral-8x7b", n_layers=2, seq_len=64)
+        >>> e = workload(p.init, p.sample_batch(1)).experts()
+        >>> e.num_experts, e.layers, e.rows_per_example, e.width  # 2 layers x 64 tokens x top-2, d_model 4096
+        (8, 2.0, 256.0, 4096)
+        """
+
+        def walk() -> ExpertWork:
+            count = 0
+            for x, names in zip(jax.tree.leaves(self.params), logical_names(self.params), strict=True):
+                if names and EXPERTS in names:
+                    count = max(count, int(x.shape[list(names).index(EXPERTS)]))
+            if not count or self.jaxpr is None:
+                return ExpertWork(count, 0.0, 0.0, 0, 0.0, 0.0)
+            acc = {"rows": 0.0, "layers": 0.0, "width": 0.0, "flops": 0.0, "bytes": 0.0}
+            n_params = len(jax.tree.leaves(unbox(self.params)))
+            _expert_walk(self.jaxpr, 1.0, set(self.jaxpr.invars[n_params:]), set(), acc)
+            total = count_flops(self.jaxpr, matmul_only=True)
+            share = acc["flops"] / total if total else 0.0
+            return ExpertWork(count, acc["layers"], acc["rows"], int(acc["width"]), share, acc["bytes"])
+
+        return self.memo(("experts",), walk)
 
     def attention_work(self) -> AttentionWork:
         """What the forward pass does per example besides the projections (`AttentionWork`), from the trace: the
@@ -248,6 +286,27 @@ class PolicyActivations(NamedTuple):
     loss's), without the block being recomputed; None where the trace does not separate them (a user's step)."""
 
 
+class ExpertWork(NamedTuple):
+    """A forward pass's mixture-of-experts work per example (`Workload.experts`)."""
+
+    num_experts: int
+    """Routed experts per MoE layer (0: a dense model)."""
+    layers: float
+    """MoE layers the forward runs (dispatches into grouped matmuls)."""
+    rows_per_example: float
+    """Token-expert assignments per example, summed over the MoE layers (tokens x top-k per layer; in capacity
+    mode the slots, experts x capacity): the rows an expert-parallel layer sends to the experts' devices and
+    back."""
+    width: int
+    """Elements per dispatched row (the model width)."""
+    share: float
+    """The routed experts' matmuls' share of the matmul FLOPs (grouped, or in capacity mode batched over the
+    experts)."""
+    dispatch_bytes: float
+    """Bytes the dispatch's gathers, scatters and sorts of activations (not of weights: an embedding lookup is no
+    dispatch) read and write in the forward: memory traffic a dense MLP has none of."""
+
+
 class AttentionWork(NamedTuple):
     """A forward pass's work besides the projections, per example (`Workload.attention_work`)."""
 
@@ -292,11 +351,14 @@ def _attention_walk(
         if not any(hit):
             continue
         batch.update(eqn.outvars)
+        if eqn.primitive.name == "ragged_dot_general":  # grouped matmuls: projections, not attention
+            acc["all"] += ragged_dot_flops(eqn) * trips
+            continue
         if eqn.primitive.name == "dot_general":
             flops = dot_flops(eqn) * trips
             acc["all"] += flops
             (_, (lb, _)) = eqn.params["dimension_numbers"]
-            if lb:
+            if lb and all(v in batch for v in eqn.invars[:2]):  # not a capacity-mode expert matmul (weights rhs)
                 acc["attention"] += flops
                 out = eqn.outvars[0].aval.size
                 if all(out >= getattr(v.aval, "size", 0) for v in ins):
@@ -313,8 +375,9 @@ def _attention_walk(
         acc["bytes"] += trips * sum(leaf_bytes(v.aval) for v in (*ins, *eqn.outvars))
 
 
-def _gemms(jaxpr: Any, trips: float, sizes: dict[float, float], batched: bool | None = None) -> None:
-    """Add each ``dot_general`` of ``jaxpr`` run ``trips`` times to ``sizes`` (M N K of one call -> FLOPs);
+def _gemms(jaxpr: Any, trips: float, sizes: dict[tuple[float, bool], float], batched: bool | None = None) -> None:
+    """Add each ``dot_general`` of ``jaxpr`` run ``trips`` times to ``sizes`` ((M N K of one call, False) -> FLOPs)
+    and each grouped matmul (``ragged_dot_general``: no batch dims) as ((M N K of one group, True) -> FLOPs);
     ``batched``: only those with (True) or without (False) batch dims."""
     for eqn in jaxpr.eqns:
         inner = calls(eqn, matmul_flops)
@@ -325,7 +388,72 @@ def _gemms(jaxpr: Any, trips: float, sizes: dict[float, float], batched: bool | 
             if batched is not None and bool(eqn.params["dimension_numbers"][1][0]) != batched:
                 continue
             flops = dot_flops(eqn)
-            sizes[flops / 2] = sizes.get(flops / 2, 0.0) + flops * trips
+            sizes[(flops / 2, False)] = sizes.get((flops / 2, False), 0.0) + flops * trips
+        elif eqn.primitive.name == "ragged_dot_general" and not batched:
+            flops = ragged_dot_flops(eqn)
+            key = (flops / 2 / ragged_groups(eqn), True)
+            sizes[key] = sizes.get(key, 0.0) + flops * trips
+
+
+_DISPATCH = frozenset("gather scatter scatter-add scatter_add sort".split())
+
+
+def _expert_walk(jaxpr: Any, trips: float, batch: set[Any], derived: set[Any], acc: dict[str, float]) -> None:
+    """Add ``jaxpr``'s grouped matmuls and dispatch traffic (run ``trips`` times) to ``acc``: a grouped matmul whose
+    lhs is not made by elementwise ops from another one's output (``derived``: a SwiGLU's down projection) takes
+    a dispatch of its lhs rows (counted once per lhs: gate and up share theirs); ``batch``: the values that depend
+    on the batch, whose gathers, scatters and sorts are the dispatch's traffic."""
+    dispatched: set[Any] = set()
+    for eqn in jaxpr.eqns:
+        ins = [v for v in eqn.invars if not isinstance(v, Literal)]
+        inner = calls(eqn, matmul_flops)
+        if inner:
+            for c in inner:
+                if c.operands is not None:
+                    pairs = [(v, o) for v, o in zip(c.jaxpr.invars, c.operands, strict=True)]
+                    pairs = [(v, o) for v, o in pairs if not isinstance(o, Literal)]
+                    dep, der = {v for v, o in pairs if o in batch}, {v for v, o in pairs if o in derived}
+                else:
+                    dep, der = set(c.jaxpr.invars), set()
+                _expert_walk(c.jaxpr, trips * c.trips, dep, der, acc)
+            if any(v in batch for v in ins):
+                batch.update(eqn.outvars)
+            continue
+        name = eqn.primitive.name
+        if any(v in batch for v in ins):
+            batch.update(eqn.outvars)
+            if name in _DISPATCH and eqn.invars[0] in batch:  # an embedding lookup reads a weight table instead
+                acc["bytes"] += trips * sum(leaf_bytes(v.aval) for v in (*ins, *eqn.outvars) if v in batch)
+        grouped = name == "ragged_dot_general" and eqn.params["ragged_dot_dimension_numbers"].rhs_group_dimensions
+        # capacity mode: each expert's slots times its own weights, a matmul batched over the experts whose rhs
+        # is a weight (attention's batched matmuls take two activations)
+        slotted = (
+            name == "dot_general"
+            and eqn.params["dimension_numbers"][1][0]
+            and eqn.invars[0] in batch
+            and not isinstance(eqn.invars[1], Literal)
+            and eqn.invars[1] not in batch
+        )
+        if grouped or slotted:
+            acc["flops"] += (ragged_dot_flops(eqn) if grouped else dot_flops(eqn)) * trips
+            lhs = eqn.invars[0]
+            lc = (
+                eqn.params["ragged_dot_dimension_numbers"].dot_dimension_numbers[0][0]
+                if grouped
+                else eqn.params["dimension_numbers"][0][0]
+            )
+            if lhs not in derived and lhs not in dispatched:
+                dispatched.add(lhs)
+                width = math.prod(lhs.aval.shape[d] for d in lc)
+                acc["rows"] += trips * math.prod(lhs.aval.shape) / width
+                acc["width"] = max(acc["width"], width)
+                acc["layers"] += trips
+            derived.update(eqn.outvars)
+        elif name == "ragged_dot_general":
+            acc["flops"] += ragged_dot_flops(eqn) * trips
+            derived.update(eqn.outvars)
+        elif name in _ELEMENTWISE and any(v in derived for v in ins):
+            derived.update(eqn.outvars)
 
 
 _PASS_THROUGH = frozenset("add convert_element_type reshape squeeze expand_dims broadcast_in_dim".split())
