@@ -30,6 +30,8 @@ from openhosti_jax.planner.refine import MEASURED_TIE, measured_order, time_plan
 from openhosti_jax.planner.search import (
     context_sizes,
     enumerate_candidates,
+    expert_count,
+    expert_sizes,
     first_that_compiles_within,
     gradient_bytes,
     memory_budget_for,
@@ -122,6 +124,9 @@ def choose_plan(
         pipeline_context=software.pipeline_context,
         sequence_parallel=profile.native_reduce_scatter,
         context=context_sizes(work, n_devices, where.devices_per_host if isinstance(where, Cluster) else n_devices),
+        expert=expert_sizes(
+            expert_count(work), n_devices, where.devices_per_host if isinstance(where, Cluster) else n_devices
+        ),
     )
     reads_count = step_fn is not None and step_accumulates(work, optimizer, step_fn)
     if accumulate and step_fn is not None and not reads_count:

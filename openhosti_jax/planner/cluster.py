@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 
 from openhosti_jax.errors import PlanningError
 from openhosti_jax.mesh.config import AXES
-from openhosti_jax.planner.profiles import PROFILES, DeviceProfile, bus_bytes, curve_seconds
+from openhosti_jax.planner.profiles import PROFILES, DeviceProfile, all_to_all_seconds, bus_bytes, curve_seconds
 from openhosti_jax.planner.stacks import STACKS, Stack
 
 
@@ -75,6 +75,8 @@ class Cluster:
         f = self.factors(mesh_shape)
         within = math.prod(f[a][0] for a in axes)
         across = math.prod(f[a][1] for a in axes)
+        if kind == "all_to_all":
+            return self._all_to_all(nbytes, within, across)
         local = self.profile.link_seconds
         if across == 1:
             return local(kind, nbytes, within)
@@ -83,6 +85,14 @@ class Cluster:
         if kind == "all_reduce":  # reduce-scatter in the host, all-reduce across, all-gather in the host
             return local("reduce_scatter", nbytes, within) + remote + local("all_gather", nbytes, within)
         return remote + local(kind, nbytes, within)
+
+    def _all_to_all(self, nbytes: float, within: int, across: int) -> float:
+        """An all-to-all over ``within`` devices in each of ``across`` hosts, each device holding ``nbytes``: the
+        ``(across - 1) / across`` of it bound for other hosts leaves over the device's share of the network while
+        the rest is exchanged in the host (`all_to_all_seconds` on ``nbytes / across``), at once: the longer of the
+        two (together they move ``(n - 1) / n x nbytes``, n = within x across)."""
+        local = all_to_all_seconds(self.profile, nbytes / across, within)
+        return max(local, self.dcn_seconds("all_to_all", nbytes, across))
 
     def dcn_seconds(self, kind: str, nbytes: float, n: int) -> float:
         """Seconds of a collective over ``n`` hosts on ``nbytes`` per device, each device on its own share of the

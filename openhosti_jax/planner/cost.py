@@ -23,6 +23,12 @@ The cluster's software stack (`openhosti_jax.planner.stacks`) adds what the fram
 kernels' traffic, attention scores written to memory or a flash kernel's rate and causal skip, and the collectives
 it cannot overlap (tensor-parallel all-reduces between dependent matmuls, a gradient reduction after the backward),
 which add to the step instead of hiding under it; interleaved pipelines divide the bubble by their chunk count.
+A mixture-of-experts model (`Workload.experts`) on an ``expert`` axis adds, per MoE layer and microbatch, four
+all-to-alls of its tokens' ``top_k`` rows (dispatch and combine, forward and backward; the forward's two again
+where remat recomputes the block), exposed (each sits between the router and the experts it feeds); the experts'
+grouped matmuls run at the GEMM curve's efficiency for one expert's rows (tokens x top_k / experts, times the
+``expert`` axis), their time on the slowest device ``expert_imbalance`` times the balanced one; the dispatch's
+gathers and sorts stream through memory.
 
 Example:
     >>> import jax, jax.numpy as jnp, optax
@@ -50,13 +56,20 @@ from jax.sharding import PartitionSpec as P
 from openhosti_jax.errors import PlanningError
 from openhosti_jax.planner.cluster import Cluster
 from openhosti_jax.planner.profiles import DeviceProfile, bus_bytes
-from openhosti_jax.planner.workload import AttentionWork, PolicyActivations, Workload
+from openhosti_jax.planner.workload import AttentionWork, ExpertWork, PolicyActivations, Workload
 from openhosti_jax.policies.precision import precision
 from openhosti_jax.sharding.plan import ShardingPlan
 from openhosti_jax.sharding.rules import LAYER_AXIS, logical_names
 from openhosti_jax.sharding.specs import is_spec, local_shape, spec_axes
 from openhosti_jax.sharding.zero import Optimizer
 from openhosti_jax.sizes import tree_bytes
+
+EXPERT_IMBALANCE = 1.1
+"""Default ratio of the slowest device's routed-expert work to the balanced share on an ``expert`` axis larger than
+1. An assumption, not a measurement: the load-balancing loss (Switch Transformer's, weight 0.01, as
+`openhosti_jax.models.moe.MoEConfig.aux_loss_weight` defaults) keeps the experts' loads near even but not equal; 1.1
+sits inside the 1.0-1.25 capacity factors Switch Transformer trains with (Fedus et al. 2021, section 2.2), the
+headroom its authors give the busiest expert. Pass ``expert_imbalance`` to `estimate` to price another."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,13 +143,21 @@ def _tensor_activation_width(shape: tuple[int, ...], spec: P, stacked: bool) -> 
 
 
 def matmul_efficiency(
-    work: Workload, profile: DeviceProfile, examples: float, t: int, split_share: float, batched: bool | None = None
+    work: Workload,
+    profile: DeviceProfile,
+    examples: float,
+    t: int,
+    split_share: float,
+    batched: bool | None = None,
+    expert: int = 1,
 ) -> float:
     """The fraction of peak a step's matmuls reach together on one device: each matmul of the workload
     (`Workload.gemm_sizes`) at its size for ``examples`` examples per call (a microbatch), the tensor-split share of
     its FLOPs at ``1 / t`` of that, weighted by FLOPs (the step time of every matmul at its own
     `DeviceProfile.gemm_efficiency`, over the time at the peak); without a trace, the profile's large-GEMM
-    efficiency. ``batched``: only the matmuls with (attention's) or without (the projections') batch dims.
+    efficiency. ``batched``: only the matmuls with (attention's) or without (the projections') batch dims. A grouped
+    matmul (a mixture of experts' experts) runs at the size of one group, its rows ``expert`` times as many on an
+    ``expert`` axis of that size (each device's experts take the tokens of that many devices).
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -148,16 +169,17 @@ def matmul_efficiency(
         >>> round(matmul_efficiency(w, a100, 1024, 1, 0.0), 6), round(a100.gemm_efficiency(1024), 6)  # 1024^3 GEMMs
         (0.263697, 0.263697)
     """
-    gemms = work.gemm_sizes(batched)
+    gemms = work.gemm_table(batched)
     if not gemms or not profile.matmul_curve:
         return profile.gemm_efficiency(math.inf)
-    key = ("gemm efficiency", profile.matmul_curve, examples, t, split_share, batched)
+    key = ("gemm efficiency", profile.matmul_curve, examples, t, split_share, batched, expert)
 
     def weigh() -> float:
         eff, whole, split = profile.gemm_efficiency, 1 - split_share, split_share / t
         per_peak = sum(
-            share * (whole / eff((mnk * examples) ** (1 / 3)) + split / eff((mnk * examples / t) ** (1 / 3)))
-            for mnk, share in gemms
+            share * (whole / eff((mnk * n * examples) ** (1 / 3)) + split / eff((mnk * n * examples / t) ** (1 / 3)))
+            for mnk, share, grouped in gemms
+            for n in [expert if grouped else 1]
         )
         return (whole + split) / per_peak
 
@@ -171,14 +193,19 @@ def estimate(
     profile: DeviceProfile | Cluster,
     base_specs: Any | None = None,
     sharded_specs: Any | None = None,
+    expert_imbalance: float = EXPERT_IMBALANCE,
 ) -> Estimate:
     """Predicted memory and step time of ``plan`` for ``work`` on devices described by ``profile`` (one host of
     them) or on a `Cluster` (collectives priced in the hosts, then across them).
 
     ``base_specs`` are the specs before ZeRO (tensor parallel / annotations) and ``sharded_specs`` the fully
     ZeRO-sharded ones; they default to the plan's gradient specs (exact for stage 0 and for stage 3).
+    ``expert_imbalance``: the slowest device's routed-expert work over the balanced share on an ``expert`` axis
+    (`EXPERT_IMBALANCE`).
     """
-    lay = _layout(plan, work, tx, profile, base_specs, sharded_specs)
+    if not (isinstance(expert_imbalance, int | float) and math.isfinite(expert_imbalance) and expert_imbalance >= 1):
+        raise PlanningError(f"expert_imbalance={expert_imbalance!r} must be a finite number >= 1 (1: balanced)")
+    lay = _layout(plan, work, tx, profile, base_specs, sharded_specs, expert_imbalance)
     acts = _activations(lay)
     mem = _memory(lay, acts)
     comm, updated = _communication(lay, acts)
@@ -214,6 +241,8 @@ class _Layout:
     o_specs: list[P]
     names: list[Any]
     """Each parameter leaf's logical axis names."""
+    imbalance: float = EXPERT_IMBALANCE
+    """The slowest device's routed-expert work over the balanced share (``expert`` axis > 1)."""
 
     @property
     def profile(self) -> DeviceProfile:
@@ -239,6 +268,16 @@ class _Layout:
     def k(self) -> int:
         """Microbatches per step."""
         return self.plan.num_microbatches
+
+    @property
+    def expert(self) -> int:
+        """The expert axis's size: the devices a mixture-of-experts layer's routed experts are split over."""
+        return self.sizes.get("expert", 1)
+
+    @property
+    def experts(self) -> ExpertWork:
+        """The workload's mixture-of-experts work (zeros for a dense model)."""
+        return self.work.experts()
 
     @property
     def context(self) -> int:
@@ -272,6 +311,7 @@ def _layout(
     profile: DeviceProfile | Cluster,
     base_specs: Any | None,
     sharded_specs: Any | None,
+    imbalance: float = EXPERT_IMBALANCE,
 ) -> _Layout:
     sizes = {a: int(n) for a, n in plan.mesh_shape.items()}
     cluster = profile if isinstance(profile, Cluster) else Cluster(profile, 1, math.prod(sizes.values()))
@@ -298,7 +338,22 @@ def _layout(
     names = work.memo(("names",), lambda: logical_names(work.params))
     sizes_key = tuple(sorted(sizes.items()))
     return _Layout(
-        plan, work, cluster, sizes, sizes_key, mp, policy, params, opt, p_specs, g_specs, base, sharded, o_specs, names
+        plan,
+        work,
+        cluster,
+        sizes,
+        sizes_key,
+        mp,
+        policy,
+        params,
+        opt,
+        p_specs,
+        g_specs,
+        base,
+        sharded,
+        o_specs,
+        names,
+        imbalance,
     )
 
 
@@ -476,12 +531,13 @@ def _compiler_recompute(lay: _Layout, act: float, over: float) -> tuple[float, f
 
 class _Collectives:
     """The step's collectives, each priced as it is added: seconds by what they move (``"gather"``: ZeRO-3's
-    parameter gathers, ``"grad"``: gradient reductions, ``"tensor"``: tensor-parallel activations) and the bytes
+    parameter gathers, ``"grad"``: gradient reductions, ``"tensor"``: tensor-parallel activations, ``"expert"``: a
+    mixture of experts' token all-to-alls) and the bytes
     each device sends."""
 
     def __init__(self, lay: _Layout) -> None:
         self.lay = lay
-        self.seconds = {"gather": 0.0, "grad": 0.0, "tensor": 0.0}
+        self.seconds = {"gather": 0.0, "grad": 0.0, "tensor": 0.0, "expert": 0.0}
         self.bus_bytes = 0.0
         self._gradients: dict[tuple[str, tuple[str, ...]], float] = {}
 
@@ -516,7 +572,30 @@ def _communication(lay: _Layout, acts: _Activations) -> tuple[_Collectives, floa
         _tensor_collectives(lay, acts, comm)
     if lay.context > 1:
         _context_collectives(lay, comm)
+    if lay.expert > 1:
+        _expert_collectives(lay, comm)
     return comm, updated
+
+
+def expert_all_to_all_bytes(work: Workload, examples: float, itemsize: int) -> tuple[float, float]:
+    """(bytes each device's buffers hold over one step's token all-to-alls, all-to-alls) for ``examples`` examples
+    per device: per MoE layer, the dispatch of every token's ``top_k`` rows to their experts' devices and their
+    return (combine), forward and backward (the cotangents go the same ways back): four all-to-alls of ``tokens x
+    top_k x d_model x itemsize`` bytes per layer; each device sends ``(n - 1) / n`` of them over an ``expert`` axis
+    of ``n`` (`bus_bytes`)."""
+    e = work.experts()
+    return 4 * examples * e.rows_per_example * e.width * itemsize, 4 * e.layers
+
+
+def _expert_collectives(lay: _Layout, comm: _Collectives) -> None:
+    """Add the token all-to-alls of the mixture-of-experts layers to ``comm``, per microbatch and layer (the
+    forward's pair again where remat recomputes the block in the backward)."""
+    nbytes, count = expert_all_to_all_bytes(lay.work, lay.b_local, lay.mp.compute_dtype.itemsize)
+    if not count:
+        return
+    if lay.plan.remat != "none":
+        nbytes, count = nbytes * 6 / 4, count * 6 / 4
+    comm.add("all_to_all", nbytes, ("expert",), lay.k * count, what="expert")
 
 
 def kv_width(work: Workload) -> tuple[int, int]:
@@ -575,11 +654,13 @@ def _parameter_collectives(lay: _Layout, comm: _Collectives) -> float:
         z = _group(zs, bs) if plan.zero_stage >= 1 else ()
         if native:
             comm.reduce_gradient("reduce_scatter", full, z)
-            comm.reduce_gradient(
-                "all_reduce", full / math.prod(sizes[a] for a in z), tuple(a for a in dp_axes if a not in z)
+            comm.reduce_gradient(  # an expert leaf split over ``expert`` is reduced over the other axes only
+                "all_reduce",
+                full / math.prod(sizes[a] for a in z),
+                tuple(a for a in dp_axes if a not in z and a not in spec_axes(bs)),
             )
         else:
-            comm.reduce_gradient("all_reduce", full, dp_axes)
+            comm.reduce_gradient("all_reduce", full, tuple(a for a in dp_axes if a not in spec_axes(bs)))
         comm.add("all_gather", full, z, int(x.shape[0]) if lay.stacked(names) else 1)  # a layer at a time
         updated += full / math.prod(sizes[a] for a in z)
     return updated
@@ -609,7 +690,11 @@ def _compute_seconds(lay: _Layout, acts: _Activations, flops: float, aw: Attenti
     """Seconds of the step's matmul FLOPs on one device, each matmul at the efficiency of its size; attention's at
     the stack's kernel rate, its masked half skipped by a flash kernel, where the stack prices it apart."""
     stack, peak = lay.cluster.stack, lay.profile.peak_flops
-    eff = functools.partial(matmul_efficiency, lay.work, lay.profile, lay.b_local / lay.k, lay.t, acts.split_share)
+    eff = functools.partial(
+        matmul_efficiency, lay.work, lay.profile, lay.b_local / lay.k, lay.t, acts.split_share, expert=lay.expert
+    )
+    if lay.expert > 1:  # the slowest device's experts take imbalance x the balanced share of the routed work
+        flops *= 1 + lay.experts.share * (lay.imbalance - 1)
     if aw is not None and aw.attention_share and (stack.causal_skip or stack.attention_efficiency is not None):
         # attention's matmuls at the kernel's own rate, the masked half skipped by a flash kernel
         att = flops * aw.attention_share * (0.5 if stack.causal_skip and aw.masked else 1.0)
@@ -627,6 +712,8 @@ def _memory_traffic(
     stack, b_local, factor = lay.cluster.stack, lay.b_local, mem.flops_factor
     act_traffic = 2 * acts.split * b_local * factor
     mem_bytes = act_traffic + 2 * updated + updated + 2 * mem.opt_local
+    if stack.fused or aw is None:  # the dispatch's gathers and sorts, forward and (twice) backward, as elementwise
+        mem_bytes += 3 * lay.experts.dispatch_bytes * b_local * factor  # (eager: already in elementwise_bytes)
     if aw is not None and not stack.fused:  # eager: every elementwise op reads and writes device memory, the
         # backward about twice the forward (the output's gradient and the saved inputs read, the input's written)
         scale = lay.mp.compute_dtype.itemsize / lay.work.activation_itemsize
@@ -661,8 +748,10 @@ def _step_time(lay: _Layout, acts: _Activations, mem: _Memory, comm: _Collective
     comm_s = sum(comm.seconds.values())
     # what the stack cannot overlap waits: a tensor-parallel all-reduce between two dependent matmuls (unless
     # the plan decomposes it into collective matmuls), a gradient reduction issued after the backward
-    exposed = (0.0 if stack.tensor_overlap or plan.collective_matmul else comm.seconds["tensor"]) + (
-        0.0 if stack.grad_overlap else comm.seconds["grad"]
+    exposed = (
+        (0.0 if stack.tensor_overlap or plan.collective_matmul else comm.seconds["tensor"])
+        + (0.0 if stack.grad_overlap else comm.seconds["grad"])
+        + comm.seconds["expert"]  # the experts wait for their tokens, the combine for the experts
     )
     hidden = max(work_s, comm_s - exposed) + exposed
     total = (hidden if profile.overlap else work_s + comm_s) + profile.launch_seconds * launches

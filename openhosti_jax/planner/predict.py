@@ -24,7 +24,7 @@ from openhosti_jax.errors import PlanningError
 from openhosti_jax.mesh.config import AXES
 from openhosti_jax.planner.choose import choose_plan
 from openhosti_jax.planner.cluster import Cluster, cluster
-from openhosti_jax.planner.search import ZERO_AXES, Candidate, score
+from openhosti_jax.planner.search import Candidate, hybrid_axes, replicas, score
 from openhosti_jax.planner.workload import workload
 from openhosti_jax.sharding.plan import ShardingPlan
 
@@ -204,9 +204,9 @@ def predict(
                     f"stages {lacks}; drop the {axis} axis or the stages, or price another stack's pipeline (e.g. "
                     "'megatron-core')"
                 )
-        sharded = sizes["data"] * sizes["fsdp"] > 1
+        sharded = replicas(sizes) > 1
         stage = (3 if sharded else 0) if zero is None else zero
-        axes = ("fsdp",) if sizes["data"] > 1 and sizes["fsdp"] > 1 else ZERO_AXES
+        axes = hybrid_axes(sizes)
         if sequence_parallel is None:
             sequence_parallel = sizes["tensor"] > 1
         candidate = Candidate(

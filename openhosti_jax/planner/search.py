@@ -1,8 +1,9 @@
 """Search over mesh shapes x ZeRO stages, scored by the cost model; `plan_on_mesh` for a mesh fixed by the user.
 
-Candidates factor the device count over ``data`` / ``fsdp`` / ``tensor`` (and ``stage`` when pipelining). ZeRO
-stage 0 uses ``data`` only; stages 1-3 shard over ``fsdp`` and replicate over ``data`` (hybrid sharding when both
-are > 1), so every candidate is a distinct placement. The winner is the fastest predicted candidate whose
+Candidates factor the device count over ``data`` / ``fsdp`` / ``tensor`` (and ``stage`` when pipelining, ``expert``
+for a mixture of experts: sizes that divide its expert count). ZeRO stage 0 uses ``data`` only; stages 1-3 shard
+over ``fsdp`` (and ``expert``, a data axis outside the experts) and replicate over ``data`` (hybrid sharding when
+both are > 1), so every candidate is a distinct placement. The winner is the fastest predicted candidate whose
 predicted memory fits the budget; candidates within 1% of it count as ties (closer than the model can rank),
 broken by the less recomputation (the remat policy's and, where the compiler rematerializes to fit, the
 compiler's; host offload last), the fewer microbatches, the lower ZeRO stage, then the smaller tensor axis,
@@ -101,6 +102,43 @@ class Scored:
         return CandidateRow(self.candidate.label, e.seconds, e.bytes, e.comm_bytes)
 
 
+def replicas(mesh_shape: dict[str, int]) -> int:
+    """How many ways a mesh splits the batch's rows: ``data x fsdp x expert`` (`ShardingPlan.data_parallel_size`)."""
+    return mesh_shape.get("data", 1) * mesh_shape.get("fsdp", 1) * mesh_shape.get("expert", 1)
+
+
+def hybrid_axes(mesh_shape: dict[str, int]) -> tuple[str, ...]:
+    """The axes ZeRO shards over on ``mesh_shape``: all of `ZERO_AXES`, or where ``data`` and a sharding axis
+    (``fsdp`` or ``expert``) are both > 1, those of ``fsdp`` and ``expert`` that are (hybrid sharding: replicas
+    over ``data``).
+
+    >>> hybrid_axes({"data": 2, "fsdp": 4}), hybrid_axes({"data": 2, "expert": 8}), hybrid_axes({"fsdp": 8})
+    (('fsdp',), ('expert',), ('data', 'fsdp', 'expert'))
+    """
+    if mesh_shape.get("data", 1) > 1 and mesh_shape.get("fsdp", 1) * mesh_shape.get("expert", 1) > 1:
+        return tuple(a for a in ("fsdp", "expert") if mesh_shape.get(a, 1) > 1)
+    return ZERO_AXES
+
+
+def expert_count(work: Workload) -> int:
+    """Routed experts per mixture-of-experts layer of ``work`` (`Workload.experts`: a dim named ``"experts"``);
+    0 for a dense model."""
+    return work.experts().num_experts
+
+
+def expert_sizes(experts: int, n_devices: int, per_host: int) -> tuple[int, ...]:
+    """The ``expert`` axis sizes worth pricing: 1, and every size > 1 that divides both the expert count and the
+    devices and fits in a host (its all-to-all runs every layer, over the fast links), then those that span hosts.
+
+    >>> expert_sizes(8, 64, 8), expert_sizes(0, 64, 8), expert_sizes(64, 32, 8)
+    ((1, 2, 4, 8), (1,), (1, 2, 4, 8, 16, 32))
+    """
+    if experts <= 1:
+        return (1,)
+    sizes = [e for e in divisors(n_devices) if experts % e == 0]
+    return tuple(sorted(sizes, key=lambda e: (e > per_host, e)))
+
+
 def enumerate_candidates(
     n_devices: int,
     *,
@@ -113,6 +151,7 @@ def enumerate_candidates(
     sequence_parallel: bool = True,
     context: Sequence[int] = (1,),
     pipeline_context: bool = True,
+    expert: Sequence[int] = (1,),
 ) -> list[Candidate]:
     """Every distinct (mesh shape, ZeRO stage) for ``n_devices``, once per precision of ``precisions``
     (``max_tensor``: the largest tensor axis, e.g. the devices of one host: a tensor-parallel group that crosses
@@ -123,24 +162,29 @@ def enumerate_candidates(
     backend reduce-scatters natively (`DeviceProfile.native_reduce_scatter`): XLA's CPU backend all-reduces the
     block's output in full and slices it, and a sequence-split GPT step compiled there is larger, not smaller);
     ``context``: the sizes of a context axis to try (each sequence split over it, `openhosti_jax.models.context`);
-    ``pipeline_context``: whether a pipelined mesh may have one too (`Stack.pipeline_context`)."""
+    ``pipeline_context``: whether a pipelined mesh may have one too (`Stack.pipeline_context`); ``expert``: the
+    sizes of an ``expert`` axis to try (`expert_sizes`; a candidate's mesh names the axis only where one is > 1),
+    composed with the others (the pipeline's stages hold whole layers, experts included: no expert axis there)."""
     out = []
     for s in [s for s in divisors(n_devices) if max_stages is None or s <= max_stages] if pipeline else [1]:
         for t in [t for t in divisors(n_devices // s) if max_tensor is None or t <= max_tensor] if tensor else [1]:
             if s > 1 and t > 1 and not pipeline_tensor:
                 continue
             for c in [c for c in context if (n_devices // (s * t)) % c == 0 and (s == 1 or c == 1 or pipeline_context)]:
-                rest = n_devices // (s * t * c)
-                for f in divisors(rest):
-                    shape = {"stage": s, "data": rest // f, "fsdp": f, "context": c, "tensor": t}
-                    stages = [0] if f == 1 else [1, 2, 3]
-                    axes = ("fsdp",) if rest // f > 1 else ZERO_AXES
-                    sequence = t > 1 and sequence_parallel  # it only saves memory: the same bytes move
-                    out += [
-                        Candidate(shape, z, axes, precision=p, sequence_parallel=sequence)
-                        for p in precisions
-                        for z in stages
-                    ]
+                for e in [e for e in expert if (n_devices // (s * t * c)) % e == 0 and (s == 1 or e == 1)]:
+                    rest = n_devices // (s * t * c * e)
+                    for f in divisors(rest):
+                        shape = {"stage": s, "data": rest // f, "fsdp": f, "context": c, "tensor": t}
+                        if max(expert) > 1:
+                            shape = {"stage": s, "data": rest // f, "fsdp": f, "expert": e, "context": c, "tensor": t}
+                        stages = [0] if f == 1 and e == 1 else [0, 1, 2, 3] if f == 1 else [1, 2, 3]
+                        axes = hybrid_axes(shape) if e > 1 else ("fsdp",) if rest // f > 1 else ZERO_AXES
+                        sequence = t > 1 and sequence_parallel  # it only saves memory: the same bytes move
+                        out += [
+                            Candidate(shape, z, axes, precision=p, sequence_parallel=sequence)
+                            for p in precisions
+                            for z in stages
+                        ]
     return out
 
 
@@ -242,7 +286,7 @@ def pipeline_microbatches(work: Workload, candidate: Candidate) -> int:
     """The microbatch count of a pipelined candidate: 4S where the per-replica batch allows it (1F1B's bubble is
     then (S-1)/(5S-1), under 20%), else the largest multiple of S, else S (1F1B needs M >= S)."""
     s = candidate.mesh_shape["stage"]
-    local = max(work.global_batch // (candidate.mesh_shape["data"] * candidate.mesh_shape["fsdp"]), 1)
+    local = max(work.global_batch // replicas(candidate.mesh_shape), 1)
     fits = [m for m in range(4 * s, s - 1, -s) if local % m == 0]
     return fits[0] if fits else s
 
@@ -262,7 +306,7 @@ def policy_variants(candidate: Candidate, work: Workload, remats: Sequence[str],
     gradients, each power-of-two microbatch count that divides the per-device batch (a pipelined one: each count
     of S x 2^i microbatches above its default that divides the per-replica batch, and one example per microbatch);
     the plain one excluded."""
-    dp, s = candidate.mesh_shape["data"] * candidate.mesh_shape["fsdp"], candidate.mesh_shape["stage"]
+    dp, s = replicas(candidate.mesh_shape), candidate.mesh_shape["stage"]
     local = work.global_batch // dp
     if s > 1:  # a pipeline's microbatches: more of them hold fewer activations in flight (down to one example)
         counts = [m for m in (s * 2**i for i in range(local.bit_length())) if m <= local and local % m == 0]
@@ -309,7 +353,7 @@ def search(
     kw.setdefault("cache", {})
     position = {id(c): i for i, c in enumerate(candidates)}
     for c in sorted(candidates, key=lambda c: -c.zero_stage):  # stage 3 first: its specs serve 1 and 2
-        dp = c.mesh_shape["data"] * c.mesh_shape["fsdp"]
+        dp = replicas(c.mesh_shape)
         if work.global_batch % dp or work.policy_activations(c.remat, c.precision) is None:
             continue
         group = (tuple(c.mesh_shape.items()), c.zero_axes)
@@ -598,7 +642,7 @@ def plan_on_mesh(
     winner is AOT-compiled to record its bytes.
     """
     sizes = {a: mesh_sizes(mesh).get(a, 1) for a in AXES}
-    dp = sizes["data"] * sizes["fsdp"]
+    dp = replicas(sizes)
     batch = sample_batch if sample_batch is not None else jax.ShapeDtypeStruct((dp,), "float32")
     if apply_fn is None and step_fn is not None and state is not None and sample_batch is not None:
         work = measure_step(step_fn, state, batch, abstract_params, layout)
