@@ -31,7 +31,9 @@ compiled over eager throughput, predicted over published.
 
 The cost model was adjusted while those runs were scored, so they are in-sample. The same table's other six rows
 (3.6B, 7.5B, 39B, 76B, 310B, 530B) were added afterwards and predicted as they came, nothing changed for them: their
-keys start ``unseen_``.
+keys start ``unseen_``. So do the two mixtures of experts added with the planner's MoE pricing: Megatron-Core v0.8's
+Mixtral 8x7B on 64 H100 (EP8 x PP4, dropless; TFLOP/s turned into tokens/s with its MoE FLOP count,
+`megatron_core_moe_flops_per_token`) and MaxText's Mixtral 8x7B on a v6e-256 (FSDP, capacity factor 1.25).
 
     python benchmarks/scale.py        # about three minutes on CPU
 
@@ -109,6 +111,28 @@ def megatron_core_flops_per_token(layers: int, hidden: int, seq: int, vocab: int
     return 12 * layers * hidden**2 * (6 + seq / hidden + vocab / (2 * layers * hidden))
 
 
+def megatron_core_moe_flops_per_token(cfg: Any) -> float:
+    """Megatron-Core v0.8's ``num_floating_point_operations`` per token (megatron/training/training.py @ 0b981f9c53)
+    for a Llama-style MoE: ``12 l h^2 ((1 + g/a + s/h) q/h + (F/h) top_k 3/2 + V/(2 l h))``, ``g/a`` kv over query
+    heads, ``q`` the query projection width, ``F`` each expert's SwiGLU width (the router not counted)."""
+    layers, h, s = cfg.n_layers, cfg.d_model, cfg.seq_len
+    ffn = cfg.ffn if cfg.moe_ffn is None else cfg.moe_ffn
+    q = cfg.n_heads * (h // cfg.n_heads)
+    attention = (1 + cfg.n_kv_heads / cfg.n_heads + s / h) * q / h
+    return 12 * layers * h * h * (attention + ffn / h * cfg.top_k * 1.5 + cfg.vocab_size / (2 * layers * h))
+
+
+_MCORE_MOE = (
+    "NVIDIA/Megatron-LM megatron/core/transformer/moe/README.md @ 0b981f9c53 (MCore v0.8: 'Mixtral 8X7B bf16 "
+    "training to achieve 438 TFLOPS'; its Reference Best Parallel Mapping: Mixtral 8x7B dropless, all-to-all "
+    "dispatcher, 64 H100, seq 4096, vocab 32K, TP1 EP8 PP4 VP8 MBS1 GBS256)"
+)
+_MAXTEXT_MIXTRAL = (
+    "AI-Hypercomputer/tpu-recipes training/trillium/Mixtral-8x7B-MaxText/README.md @ e008533bc (v6e-256, "
+    "mixtral_8x7b_dropped as in MaxText@tpu-recipes-v0.1.2: per_device_batch_size 12, ici_fsdp -1, seq 4096, "
+    "capacity_factor 1.25, megablox and sparse_matmul off, remat custom with the layer input and q/k/v/out "
+    "projections offloaded; logged Tokens/s/device 3645.203)"
+)
 _TITAN = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
 _MCORE = "NVIDIA/Megatron-LM README.md (images/model_table.png, weak scaling; Megatron-Core r0.8.0)"
 _MCORE_STRONG = "NVIDIA/Megatron-LM README.md Strong Scaling (GPT-3 175B, batch 1152, 47% -> 42% MFU)"
@@ -236,6 +260,48 @@ def _maxtext_v5p_32b() -> Run:
     )
 
 
+def _moe_runs() -> list[Run]:
+    """Two published mixture-of-experts runs, added after the cost model's last adjustment (unseen)."""
+    mixtral = model_preset("mixtral-8x7b", seq_len=4096)
+    # Megatron-Core: EP8 inside the 16-way data parallelism (stage=4 x data=2 x expert=8), the distributed
+    # optimizer (as ZeRO-2, like the dense Megatron-Core rows), no recomputation (none listed; Megatron's
+    # default), 256 / (1 x 16) = 16 microbatches of one sequence, 8 virtual chunks per stage (one layer each)
+    megatron = Run(
+        "megatron_core_mixtral_8x7b_64xH100",
+        mixtral,
+        "64xH100",
+        256,
+        "stage=4,data=2,expert=8",
+        2,
+        "none",
+        "bf16",
+        16,
+        438e12 / megatron_core_moe_flops_per_token(mixtral.config),
+        _MCORE_MOE,
+        stack="megatron-core",
+        virtual=8,
+        seen=False,
+    )
+    # MaxText on v6e-256: 1D FSDP over 256 chips, capacity 1.25 (tokens over it dropped), bf16 compute over fp32
+    # weights, remat "offload" (this library's nearest policy to the custom one: matmul outputs to the host)
+    maxtext = Run(
+        "maxtext_mixtral_8x7b_v6e_256",
+        model_preset("mixtral-8x7b", seq_len=4096, capacity_factor=1.25),
+        "v6e-256",
+        12 * 256,
+        "fsdp=256",
+        3,
+        "offload",
+        "bf16",
+        1,
+        3645.203,
+        _MAXTEXT_MIXTRAL,
+        stack="maxtext",
+        seen=False,
+    )
+    return [megatron, maxtext]
+
+
 def _runs() -> list[Run]:
     llama2 = model_preset("llama2-7b", seq_len=4096)
     cfg = llama2.config
@@ -325,6 +391,7 @@ def _runs() -> list[Run]:
             layers_per_chunk=1,
             seen=False,
         ),
+        *_moe_runs(),
     ]
 
 
