@@ -190,3 +190,18 @@ def test_predict_mixtral_on_an_expert_mesh():
     assert r.plan.mesh_shape["expert"] == 8 and r.plan.data_parallel_size == 64
     assert 0.2 < r.mfu < 0.6
     assert r.time["exposed"] > 0  # the token all-to-alls wait
+
+
+@pytest.mark.timeout(600)
+def test_planner_ranks_expert_meshes_for_mixtral():
+    from openhosti_jax.planner.choose import choose_plan
+
+    p = model_preset("mixtral-8x7b", seq_len=4096)
+    _, report = choose_plan(
+        p.init, optax.adamw(1e-4), p.sample_batch(256), cluster=cluster("64xH100"), remat="auto", precision="auto"
+    )
+    labels = [r.label for r in report.candidates]
+    for e in (2, 4, 8):  # every expert axis that divides the 8 experts and fits in a host of 8
+        assert any(f"expert={e} " in x for x in labels)
+    assert not any("expert=16" in x for x in labels)
+    assert report.predicted_seconds > 0 and math.isfinite(report.predicted_seconds)
