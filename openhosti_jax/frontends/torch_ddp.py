@@ -324,7 +324,8 @@ class OptimizedDDP(torch.nn.Module):
             )
         if pieces is not None and (isinstance(pieces, bool) or not isinstance(pieces, int) or pieces < 1):
             raise BridgeError(f"expected balance_microbatches= an int >= 1 (pieces per batch), found {pieces!r}")
-        accepted = set(inspect.signature(Balancer).parameters) - {"loss_sum_fn", "mesh", "total", "axis"}
+        own = {"loss_sum_fn", "mesh", "total", "axis", "grad_shardings"}  # the balanced step sets these
+        accepted = set(inspect.signature(Balancer).parameters) - own
         unknown = sorted(set(balancer_kw) - accepted)
         if unknown:
             raise BridgeError(
