@@ -53,6 +53,7 @@ PROCESS_CASES = ((2, 12),) if goals.QUICK else ((2, 24), (4, 20))
 PROCESS_KINDS = ("stall",) if goals.QUICK else ("stall", "work")
 OVERHEAD_M = 14 if goals.QUICK else 28
 FSDP_M = 60  # 8 devices, one 2x: ideal share M / 7.5 = 8 (the even split gives the slow device 7)
+FSDP_REPS = 5 if goals.QUICK else 9  # its steps last seconds (8 devices' stalls at BASE x the contended CPU time)
 BASE = 5  # fsdp and host-local cases: a microbatch takes BASE x its CPU time, 2 x BASE on the slowed device
 HOSTLOCAL_STEPS = 4 if goals.QUICK else 6  # steps per timed epoch (2 processes, 24 microbatches a step)
 HOSTLOCAL_REPS = 3 if goals.QUICK else 5  # epochs per variant, alternated; the median is reported
@@ -85,13 +86,13 @@ def timed(fn):
     return time.perf_counter() - t
 
 
-def alternate(variants: dict) -> dict:
+def alternate(variants: dict, reps: int = REPS) -> dict:
     """Median seconds per variant, the order rotated each round."""
     names = list(variants)
     for f in variants.values():  # warm-up / compile
         timed(f)
     times = {n: [] for n in names}
-    for r in range(REPS):
+    for r in range(reps):
         for n in names[r % len(names) :] + names[: r % len(names)]:
             times[n].append(timed(variants[n]))
     return {n: float(np.median(v)) for n, v in times.items()}
@@ -194,7 +195,8 @@ def fsdp_case(m, gather="step", prefix="fsdp_"):
                 "ideal": lambda: unslowed(
                     params, place_microbatches(ideal_mbs, (share,) * size, share, mesh, axis), (share,) * size, rng
                 ),
-            }
+            },
+            reps=FSDP_REPS,
         )
     return {
         f"{prefix}static_over_balanced_2x_straggler": t["static"] / t["balanced"],
