@@ -22,6 +22,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from openhosti_jax.errors import PlanningError
+from openhosti_jax.mesh.config import AXES
 from openhosti_jax.planner import device_profile as resolve_profile
 from openhosti_jax.planner.search import (
     enumerate_candidates,
@@ -63,6 +64,11 @@ def stand_in_optimizer(slots: int) -> optax.GradientTransformation:
     )
 
 
+def _sizes(shape: Mapping[str, int]) -> dict[str, int]:
+    """Every mesh axis's size in ``shape`` (1 where it names none), so shapes listing different axes compare."""
+    return {a: int(shape.get(a, 1)) for a in AXES}
+
+
 def plan_variables(
     params: Mapping[str, jax.ShapeDtypeStruct],
     devices: Sequence[jax.Device],
@@ -82,7 +88,7 @@ def plan_variables(
     candidates = [
         c
         for c in enumerate_candidates(len(devices), tensor=False)
-        if c.zero_stage in (0, 3) and (mesh_shape is None or c.mesh_shape == dict(mesh_shape))
+        if c.zero_stage in (0, 3) and (mesh_shape is None or _sizes(c.mesh_shape) == _sizes(mesh_shape))
     ]
     profile = resolve_profile(list(devices), device_profile, max_bytes=gradient_bytes(work))
     budget, source = memory_budget_for(list(devices), profile, memory_budget)
