@@ -128,6 +128,7 @@ def _check_three_steps(mesh_name, dispatch):
     assert dropped > 0 if dispatch == "capacity" else dropped == 0
 
 
+@pytest.mark.slow  # ~90 s on the loaded 2-core machine; the fast suite keeps the block-level equality (test_models_moe)
 @pytest.mark.timeout(300)
 def test_three_adam_steps_on_expert4_data2_equal_one_device():
     """Dropless: losses, tokens per expert and every parameter after 3 Adam steps within 1e-5 of one device."""
