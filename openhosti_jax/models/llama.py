@@ -398,7 +398,7 @@ class Block(nnx.Module):
         x = x + self.attention(self.attn_norm(x), cos, sin)
         h = self.mlp_norm(x)
         if hasattr(self, "moe"):
-            y, aux = moe_layer(self.moe.cfg, self.moe.weights(), h)
+            y, aux = moe_layer(self.moe.config(), self.moe.weights(), h)
             return x + y, aux
         gate, up = project_in(h, self.gate, self.up)
         return x + keep(project_out(jax.nn.silu(keep(gate)) * up, self.down))

@@ -492,6 +492,7 @@ class MoEBlock(nnx.Module):
     def __init__(self, cfg: MoEConfig, *, rngs: nnx.Rngs):
         d, f, e = cfg.d_model, cfg.d_ff, cfg.num_experts
         self.cfg = cfg
+        self.dtype = jnp.dtype(cfg.dtype)  # a precision policy's compute dtype replaces it, as nnx.Linear's
         self.router = nnx.Param(_INIT(rngs.params(), (d, e), jnp.float32), **_named("embed", None))
         self.w_gate = nnx.Param(_INIT(rngs.params(), (e, d, f), jnp.float32), **_named("experts", "embed", "mlp"))
         self.w_up = nnx.Param(_INIT(rngs.params(), (e, d, f), jnp.float32), **_named("experts", "embed", "mlp"))
@@ -501,6 +502,12 @@ class MoEBlock(nnx.Module):
             self.shared_gate = nnx.Param(_INIT(rngs.params(), (d, s), jnp.float32), **_named("embed", "mlp"))
             self.shared_up = nnx.Param(_INIT(rngs.params(), (d, s), jnp.float32), **_named("embed", "mlp"))
             self.shared_down = nnx.Param(_INIT(rngs.params(), (s, d), jnp.float32), **_named("mlp", "embed"))
+
+    def config(self) -> MoEConfig:
+        """``cfg`` computing in the block's current ``dtype`` (which a precision policy sets, as for the model's
+        other layers: under bf16 the experts and their exchanged tokens are bf16, not float32 copies)."""
+        dt = jnp.dtype(self.dtype)
+        return self.cfg if jnp.dtype(self.cfg.dtype) == dt else dataclasses.replace(self.cfg, dtype=dt.name)
 
     def weights(self) -> dict[str, jax.Array]:
         """The parameters' values by name, as `moe_forward` and `expert_parallel` take them."""
@@ -514,5 +521,5 @@ class MoEBlock(nnx.Module):
         if x.shape[-1] != self.cfg.d_model:
             raise BatchError(f"expected x (..., d_model={self.cfg.d_model}), found shape {tuple(x.shape)}")
         if mesh is None:
-            return moe_forward(self.cfg, self.weights(), x)
-        return expert_parallel(self.cfg, self.weights(), x, mesh, expert_axis=expert_axis, data_axis=data_axis)
+            return moe_forward(self.config(), self.weights(), x)
+        return expert_parallel(self.config(), self.weights(), x, mesh, expert_axis=expert_axis, data_axis=data_axis)
