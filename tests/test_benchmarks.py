@@ -17,19 +17,23 @@ NOT_BENCHMARKS = ("goals.py", "gpu_suite.py")  # the table's reader; the runner 
 SCRIPTS = sorted(f for f in os.listdir(os.path.join(ROOT, "benchmarks")) if f.endswith(".py"))
 SCRIPTS = [f for f in SCRIPTS if f not in NOT_BENCHMARKS]
 TIMEOUT_S = 600
+LIMITS_S = {"scale.py": 1200}
+"""Scripts allowed longer than TIMEOUT_S: scale.py runs ~45 planner searches over clusters of up to 6,144 devices
+(pure CPU, no collectives to hang), 8-10 minutes on the 2-core machine when nothing else runs."""
 
 
 def run_quick(script: str) -> dict:
     env = dict(os.environ)
+    limit = LIMITS_S.get(script, TIMEOUT_S)
     # 8 simulated devices on 2 shared cores: a busy machine can hold a CPU collective's rendezvous past XLA's 40 s
     # abort; the test's own timeout bounds a real hang instead
-    env["XLA_FLAGS"] = f"--xla_cpu_collective_call_terminate_timeout_seconds={TIMEOUT_S}"
+    env["XLA_FLAGS"] = f"--xla_cpu_collective_call_terminate_timeout_seconds={limit}"
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     done = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", script), "--quick"],
         capture_output=True,
         text=True,
-        timeout=TIMEOUT_S,
+        timeout=limit,
         env=env,
         cwd=ROOT,
     )
@@ -55,8 +59,9 @@ def test_a_broken_goal_fails_the_check():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(TIMEOUT_S + 60)
-@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize(
+    "script", [pytest.param(s, marks=pytest.mark.timeout(LIMITS_S.get(s, TIMEOUT_S) + 60)) for s in SCRIPTS]
+)
 def test_quick_mode_meets_its_asserted_goals(script):
     out = run_quick(script)
     assert out.get("quick") is True, f"{script} did not run its quick mode"
