@@ -8,6 +8,9 @@ is killed after step KILL_AT; then one of these failures is staged before a 2-pr
   mid-upload): both resume from the previous complete step;
 - a chunk in process 0's newest local step is flipped: that process fetches the step from the replica.
 
+Apart from those, the reference's replica alone (no local directory) is restored in one process with 8 devices,
+on the saving mesh and on another: the state must be the one the 2 processes saved, bit for bit.
+
 Each resumed run must give the reference's losses bit for bit from the step it resumed at, its final parameters
 equal the reference's bit for bit, and consume the reference's batches in the reference's order (no sample lost or
 repeated). Run as a script (through `launch_local`), this file is one worker: ``python FILE MODE DIR``.
@@ -28,11 +31,11 @@ STEPS, KILL_AT = 6, 4
 pytestmark = [pytest.mark.slow]
 
 
-def _job():
+def _job(data: int = 1, fsdp: int = 8):
     from openhosti_jax.demo.gpt_job import GPTJob, build_job
     from openhosti_jax.mesh import MeshConfig
 
-    job = GPTJob(steps=STEPS, global_batch=16, num_sequences=256, mesh=MeshConfig(data=1, fsdp=8), progress=False)
+    job = GPTJob(steps=STEPS, global_batch=16, num_sequences=256, mesh=MeshConfig(data=data, fsdp=fsdp), progress=False)
     return build_job(job)
 
 
@@ -90,6 +93,7 @@ def run(mode: str, base: str) -> dict:
                 os._exit(0)  # a crash: no close, no shutdown (the peer may die of the lost coordinator first)
         out["good"] = ckpt.good_steps()
     out["digest"] = _digest(state)
+    out["data_state"] = data.get_state()  # what the last step's save recorded
     return out
 
 
@@ -110,12 +114,18 @@ def _launch(mode: str, base) -> dict[int, dict]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def reference_run(tmp_path_factory):
+    """(the reference results, its folder: local0, local1, replica)."""
+    base = tmp_path_factory.mktemp("reference")
+    return _launch("reference", base), base
+
+
+@pytest.fixture(scope="module")
+def runs(reference_run, tmp_path_factory):
     """(the reference results, the folder of the killed run: local0, local1, replica)."""
-    reference = _launch("reference", tmp_path_factory.mktemp("reference"))
     killed = tmp_path_factory.mktemp("killed")
     _launch("killed", killed)
-    return reference, killed
+    return reference_run[0], killed
 
 
 def _stage(runs, tmp_path):
@@ -182,6 +192,40 @@ def test_a_corrupt_local_shard_on_one_host_is_fetched_from_the_replica(runs, tmp
     for p in (0, 1):  # both saw process 0's damaged copy, named; then process 0 read the replica's
         assert any(f"file {rel} has checksum" in w and "falling back" in w for w in resumed[p]["warnings"]), p
     assert resumed[0]["verified"] == []  # its local step is the replica's intact copy now
+
+
+@pytest.mark.timeout(900)
+def test_the_replica_of_a_two_process_run_restores_onto_one_process_and_another_mesh(reference_run, tmp_path):
+    """This pytest process is one process with 8 devices; the reference ran 2 processes of 4, saving per process."""
+    import jax
+
+    from openhosti_jax.checkpoint import CheckpointManager
+
+    reference, saved = reference_run
+    replica = tmp_path / "replica"
+    shutil.copytree(saved / "replica", replica)  # read-only use, but the module's reference stays untouched
+    assert jax.process_count() == 1 and jax.device_count() == 8
+    assert _replica_steps(tmp_path)[-1] == STEPS
+    assert reference[0]["digest"] == reference[1]["digest"]
+    with CheckpointManager(tmp_path / "local", every_minutes=None, every_steps=None, replicate_to=replica) as ckpt:
+        assert ckpt.shared and ckpt.fetched_step == STEPS  # no local step: the replica's newest is fetched
+        assert ckpt.checkpoint_info(STEPS)["process_count"] == 2  # saved by the 2-process run
+        for data, fsdp in ((1, 8), (2, 4)):  # the saving mesh, then another one
+            state = _job(data, fsdp)[0]
+            abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+            assert _digest(state) != reference[0]["digest"]  # a fresh state differs: the comparison can fail
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                restored, data_state, _ = ckpt.restore(abstract)
+            passed_over = [str(w.message) for w in caught if "checkpoint" in str(w.message)]
+            assert passed_over == [], (data, fsdp)  # no corrupt or unreadable copy was passed over
+            assert ckpt.restored_step == STEPS and int(restored.step) == STEPS, (data, fsdp)
+            leaves = zip(jax.tree.leaves(restored), jax.tree.leaves(abstract), strict=True)
+            on = [(r.sharding, a.sharding) for r, a in leaves]
+            mesh = on[0][1].mesh.shape
+            assert all(r == a for r, a in on) and (mesh["data"], mesh["fsdp"]) == (data, fsdp)
+            assert data_state == reference[0]["data_state"], (data, fsdp)
+            assert _digest(restored) == reference[0]["digest"], (data, fsdp)
 
 
 if __name__ == "__main__":
