@@ -173,7 +173,8 @@ def test_balancer_moves_work_off_a_throttled_device_and_keeps_the_gradient(mesh4
     for _ in range(4):
         loss, g, n = bal(params, mbs, rng)
     counts = bal.counts
-    assert sum(counts) == 16 and min(counts) >= 1
+    # one microbatch on device 3 costs 6 units, as its peers' 5 or 6 do: with no cap, 1 and 0 price the same step
+    assert sum(counts) == 16 and counts[3] <= 1
     assert counts[3] < min(counts[:3]), counts
     assert bal.describe() is not None
     ref = jax.grad(lambda p: sum(heavy_loss(p, {"x": mbs["x"][k]}, None)[0] for k in range(16)) / (16 * 64))
