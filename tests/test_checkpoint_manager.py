@@ -180,6 +180,25 @@ def test_replica_receives_good_steps_and_serves_restores(tmp_path):
     _assert_same(restored.params, state.params)
 
 
+@pytest.mark.timeout(120)
+def test_an_older_step_only_the_replica_holds_is_fetched_when_asked_for(tmp_path):
+    """restore(step=k) of a step the local tier lost but the replica keeps fetches it, bit for bit."""
+    state = _state()
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    with CheckpointManager(tmp_path / "main", every_minutes=None, keep=2, replicate_to=tmp_path / "copy") as ckpt:
+        for s in (1, 2):
+            scaled = state.replace(step=jnp.int32(s), params=jax.tree.map(lambda x, s=s: x * s, state.params))
+            ckpt.maybe_save(s, scaled, force=True)
+        ckpt.wait()
+        shutil.rmtree(tmp_path / "main" / "1")
+        assert ckpt.good_steps() == [2] and ckpt.replica_steps() == [1, 2]
+        restored, _, _ = ckpt.restore(abstract, step=1)
+        with pytest.raises(CheckpointError, match="or its replica"):
+            ckpt.restore(abstract, step=7)
+    assert int(restored.step) == 1
+    _assert_same(restored.params, state.params)
+
+
 @pytest.mark.timeout(60)
 def test_bad_inputs_raise_typed_errors(tmp_path):
     state = {"x": jnp.ones(3)}

@@ -626,7 +626,8 @@ class CheckpointManager:
         state is returned once both are done and every process found its files intact (``verify=False`` skips
         the checksums, e.g. to time the read alone).
         Without ``step``, a corrupt step is skipped with a warning naming the bad arrays; then the replica is
-        tried. Raises `CheckpointCorruptError` if nothing verifies, `CheckpointError` if there is no step.
+        tried. A ``step`` the local tier lacks or holds corrupt is fetched from the replica where it has it.
+        Raises `CheckpointCorruptError` if nothing verifies, `CheckpointError` if there is no step.
         """
         target = abstract_flat(abstract_state)
         wanted = target_specs(abstract_state, target)
@@ -690,14 +691,17 @@ class CheckpointManager:
         """(steps to read from this process's directory, steps to fetch from the replica): with per-process
         directories, only steps every process can get (`openhosti_jax.checkpoint.local.resumable_steps`)."""
         if self.shared:
-            if step is not None and not (self.directory / str(int(step))).exists():
+            if step is None:
+                return self.good_steps(), self.replica_steps()
+            s = int(step)
+            here, remote = (self.directory / str(s)).exists(), [s] if s in self.replica_steps() else []
+            if not here and not remote:
                 raise CheckpointError(
-                    f"expected checkpoint step {step} in {self.directory}, found no such folder; committed and "
-                    f"checksummed steps there: {self.good_steps()}"
+                    f"expected checkpoint step {step} in {self.directory} or its replica, found no such folder; "
+                    f"committed and checksummed steps there: {self.good_steps()}, in the replica: "
+                    f"{self.replica_steps()}"
                 )
-            return ([int(step)] if step is not None else self.good_steps()), (
-                self.replica_steps() if step is None else []
-            )
+            return ([s] if here else []), remote
         mine = self.good_steps()
         agreed, remote = resumable_steps(mine, self.replica_steps())
         if step is not None:
