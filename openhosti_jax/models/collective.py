@@ -67,8 +67,9 @@ def _setup(mesh: Mesh, seq: int, context: str | None) -> tuple[int, set[str]]:
     ways = n * int(sizes.get(context, 1)) if context else n
     if seq % ways:
         raise ShardingError(
-            f"a collective matmul splits the sequence ({seq}) over {ways} devices ({context or ''} x "
-            f"{TENSOR_AXIS}), which does not divide it; use a sequence length they divide"
+            f"a collective matmul splits the sequence ({seq}) over {ways} devices "
+            f"({f'{context} x ' if context else ''}{TENSOR_AXIS}), which does not divide it; use a sequence length "
+            "they divide"
         )
     return n, {a for a in mesh.axis_names if a not in getattr(mesh, "manual_axes", ())}
 
