@@ -99,20 +99,21 @@ def gathered_matmuls(
 
     def local(x: jax.Array, *ws: jax.Array) -> tuple[jax.Array, ...]:
         me = jax.lax.axis_index(TENSOR_AXIS)
-        parts: list[list[jax.Array]] = [[] for _ in ws]
+        b, size = x.shape[:2]
+        # split kernels: each step's product goes straight into its sequence slot (piece (me + t) mod n), so no
+        # stacked copy of the steps is made; a whole kernel multiplies this device's own piece only
+        outs = [jnp.zeros((b, n * size, w.shape[1]), x.dtype) if s else None for w, s in zip(ws, split, strict=True)]
         piece = x
         for t in range(n):
             nxt = jax.lax.ppermute(piece, TENSOR_AXIS, ring) if t < n - 1 else None  # in flight beside the matmuls
-            for out, w, s in zip(parts, ws, split, strict=True):
-                if s or t == 0:  # a whole kernel multiplies this device's own piece only
-                    out.append(jnp.einsum("bsd,df->bsf", piece, w))
+            for i, (w, s) in enumerate(zip(ws, split, strict=True)):
+                if s:
+                    y = jnp.einsum("bsd,df->bsf", piece, w)
+                    outs[i] = jax.lax.dynamic_update_slice_in_dim(outs[i], y, ((me + t) % n) * size, axis=1)
+                elif t == 0:
+                    outs[i] = jnp.einsum("bsd,df->bsf", piece, w)
             piece = nxt
-        b, size = x.shape[:2]
-        # step t multiplied piece (me + t) mod n: roll the steps into sequence order
-        ordered = (
-            jnp.roll(jnp.stack(out, axis=1), me, axis=1) if s else out[0] for out, s in zip(parts, split, strict=True)
-        )
-        return tuple(y.reshape(b, -1, y.shape[-1]) for y in ordered)
+        return tuple(outs)
 
     seq = (context, TENSOR_AXIS) if context else TENSOR_AXIS
     in_specs = [P(rows, seq, None)] + [P(None, TENSOR_AXIS if s else None) for s in split]
