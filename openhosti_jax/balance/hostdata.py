@@ -28,7 +28,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from openhosti_jax.balance.buffer import Axes, place_microbatches
-from openhosti_jax.data.protocol import position_state
+from openhosti_jax.data.protocol import epoch_order, position_state
 from openhosti_jax.errors import BatchError
 
 _NOT_INDEXED = ("IterableDataset", "IterDataset", "generator")
@@ -191,8 +191,7 @@ class HostLocalData:
 
     def epoch_order(self, epoch: int) -> np.ndarray:
         """The sample order of ``epoch`` (the same on every process and every run with this seed)."""
-        n = self._reader.n
-        return np.random.default_rng([self._seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
+        return epoch_order(self._seed, epoch, self._reader.n, self.shuffle)
 
     def __iter__(self) -> HostLocalData:
         return self

@@ -27,7 +27,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from openhosti_jax.data.protocol import position_state
+from openhosti_jax.data.protocol import epoch_order, position_state
 from openhosti_jax.errors import BatchError
 
 
@@ -112,9 +112,7 @@ class ArrayDataset:
 
     def epoch_order(self, epoch: int) -> np.ndarray:
         """The sample order of ``epoch``: the same on every process and every run with this seed."""
-        if not self.shuffle:
-            return np.arange(self._n)
-        return np.random.default_rng([self._seed, epoch]).permutation(self._n)
+        return epoch_order(self._seed, epoch, self._n, self.shuffle)
 
     def __iter__(self) -> ArrayDataset:
         return self

@@ -18,6 +18,8 @@ import json
 from collections.abc import Iterator
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
+
 from openhosti_jax.errors import BatchError
 
 
@@ -54,6 +56,12 @@ def check_json_state(state: Any, where: str) -> dict[str, Any]:
             "lists instead of tuples"
         )
     return state
+
+
+def epoch_order(seed: int, epoch: int, n: int, shuffle: bool) -> np.ndarray:
+    """The order of ``n`` samples in ``epoch``: a permutation drawn from ``(seed, epoch)``, the same on every
+    process and every run, or ``0 .. n - 1`` without ``shuffle``."""
+    return np.random.default_rng([seed, epoch]).permutation(n) if shuffle else np.arange(n)
 
 
 def position_state(state: Any, where: str, max_position: int | None = None) -> tuple[int, int, int]:
