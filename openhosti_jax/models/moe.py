@@ -41,6 +41,7 @@ from jax.sharding import PartitionSpec as P
 from openhosti_jax.errors import BatchError, ConfigError, ShardingError
 from openhosti_jax.mesh.config import BATCH_AXES, EXPERT_AXIS
 from openhosti_jax.models.checks import dtype_problem, finite_number, positive_ints
+from openhosti_jax.state.context import current_token_axes
 
 _POSITIVE_INTS = ("d_model", "d_ff", "num_experts", "top_k")
 _EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
@@ -282,14 +283,15 @@ def _ep_local(
     x: jax.Array,
     *,
     cfg: MoEConfig,
-    expert_axis: str,
+    expert_axis: str | None,
     token_axes: tuple[str, ...],
     tensor_axis: str | None,
     n_ep: int,
     tokens: int,
 ) -> tuple[jax.Array, MoEAux]:
     """One device's part of `expert_parallel`: route the local tokens, send each assignment to the device holding
-    its expert (all_to_all over ``expert_axis``), run the local experts, send the outputs back, combine."""
+    its expert (all_to_all over ``expert_axis``; None: ``n_ep`` is 1 and every expert is local), run the local
+    experts, send the outputs back, combine."""
     shape = x.shape
     xt = x.reshape(-1, shape[-1])
     t, d = xt.shape
@@ -299,7 +301,7 @@ def _ep_local(
     c = cfg.capacity(tokens)
 
     def exchange(v: jax.Array) -> jax.Array:
-        return jax.lax.all_to_all(v, expert_axis, 0, 0)
+        return v if expert_axis is None else jax.lax.all_to_all(v, expert_axis, 0, 0)
 
     if c is None:
         # Dropless: send every assignment; buffers are sized for the worst case (all to one device).
@@ -461,6 +463,9 @@ def moe_layer(
     """
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
     manual = set(getattr(mesh, "manual_axes", ()))
+    shards = current_token_axes()
+    if shards and not mesh.empty and set(shards) <= manual:
+        return _manual_call(cfg, w, x, dict(mesh.shape), shards)
     if mesh.empty or EXPERT_AXIS not in mesh.axis_names or EXPERT_AXIS in manual:
         return moe_forward(cfg, w, x)
     sizes = dict(mesh.shape)
@@ -472,6 +477,36 @@ def moe_layer(
             ways *= n
     tensor = TENSOR_AXIS if TENSOR_AXIS in sizes and TENSOR_AXIS not in manual else None
     return expert_parallel(cfg, w, x, mesh, expert_axis=EXPERT_AXIS, data_axis=rows, tensor_axis=tensor)
+
+
+def _manual_call(
+    cfg: MoEConfig, w: dict[str, jax.Array], x: jax.Array, sizes: dict[str, int], token_axes: tuple[str, ...]
+) -> tuple[jax.Array, MoEAux]:
+    """The block traced inside a `jax.shard_map` whose manual ``token_axes`` split the call's rows
+    (`openhosti_jax.state.context.active_token_axes`: a pipeline stage): `_ep_local` on this device's rows, the
+    experts split over ``expert`` where it is one of ``token_axes`` (each device runs its slice of the whole
+    weights it holds), capacity and aux statistics over all the axes' rows, as `moe_forward` on the whole call."""
+    n_ep = int(sizes.get(EXPERT_AXIS, 1)) if EXPERT_AXIS in token_axes else 1
+    if cfg.num_experts % n_ep:
+        raise ShardingError(
+            f"the {EXPERT_AXIS!r} axis has size {n_ep}, which does not divide num_experts={cfg.num_experts}; use a "
+            f"mesh whose {EXPERT_AXIS!r} size divides it"
+        )
+    if n_ep > 1:
+        e_local = cfg.num_experts // n_ep
+        start = jax.lax.axis_index(EXPERT_AXIS) * e_local
+        w = {n: jax.lax.dynamic_slice_in_dim(v, start, e_local) if n in _EXPERT_WEIGHTS else v for n, v in w.items()}
+    calls = math.prod(int(sizes[a]) for a in token_axes)
+    return _ep_local(
+        w,
+        x,
+        cfg=cfg,
+        expert_axis=EXPERT_AXIS if n_ep > 1 else None,
+        token_axes=token_axes,
+        tensor_axis=None,
+        n_ep=n_ep,
+        tokens=math.prod(x.shape[:-1]) * calls,
+    )
 
 
 _INIT = nnx.initializers.normal(0.02)

@@ -36,18 +36,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.flatten_util import ravel_pytree
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from openhosti_jax.errors import BatchError, PipelineError
-from openhosti_jax.mesh import BATCH_AXES, mesh_sizes
+from openhosti_jax.mesh import TOKEN_AXES, mesh_sizes
 from openhosti_jax.pipeline.costs import Layer
 from openhosti_jax.pipeline.packing import Packing
 from openhosti_jax.pipeline.partitioner import StagePartition
 from openhosti_jax.pipeline.schedule import Schedule
+from openhosti_jax.pipeline.split import carriable as _carriable
 from openhosti_jax.pipeline.tensor import TENSOR, stage_tensor, whole_along
 from openhosti_jax.pipeline.ticks import BACKWARD, FORWARD, tick_table
+from openhosti_jax.state.context import active_token_axes
 from openhosti_jax.state.contracts import MeanLossFn
 
 Batch = tuple[Any, Any]
@@ -69,6 +70,50 @@ def _check(layers: Sequence[Layer], mesh: Mesh, partition: StagePartition, sched
         problems.append(f"partition cuts {partition.num_layers} layers but {len(layers)} were given")
     if problems:
         raise PipelineError("pipeline request does not fit: " + "; ".join(problems))
+
+
+def _carrier_dtype(bounds: Sequence[Any]) -> Any:
+    """The dtype the activations between chunks travel in: their floats' common one, float32 at least where
+    integers or booleans travel too (exact below 2**24); raise `PipelineError` for any other dtype."""
+    leaves = [x for b in bounds for x in jax.tree.leaves(b)]
+    bad = [
+        f"{x.dtype}{list(x.shape)} after chunk {c}"
+        for c, b in enumerate(bounds)
+        for x in jax.tree.leaves(b)
+        if not _carriable(x.dtype)
+    ]
+    if bad:
+        raise PipelineError(
+            f"expected the activations between chunks to be floats, or integers and booleans of at most 32 bits; "
+            f"found {', '.join(bad)}; cut elsewhere or carry them as floats"
+        )
+    floats = [x.dtype for x in leaves if jnp.issubdtype(x.dtype, jnp.floating)]
+    dtype = jnp.result_type(*floats) if floats else jnp.dtype(jnp.float32)
+    if len(floats) < len(leaves):
+        dtype = jnp.promote_types(dtype, jnp.float32)
+    return dtype
+
+
+class _Carrier:
+    """An activation pytree as one flat vector of ``dtype`` (each leaf cast, in `jax.tree.leaves` order) and back."""
+
+    def __init__(self, like: Any, dtype: Any):
+        leaves, self.treedef = jax.tree.flatten(like)
+        self.shapes = [(tuple(x.shape), x.dtype) for x in leaves]
+        self.size = sum(int(np.prod(shape)) for shape, _ in self.shapes)
+        self.dtype = dtype
+
+    def pack(self, tree: Any) -> jax.Array:
+        flat = [jnp.ravel(x).astype(self.dtype) for x in jax.tree.leaves(tree)]
+        return jnp.concatenate(flat) if flat else jnp.zeros((0,), self.dtype)
+
+    def unpack(self, flat: jax.Array) -> Any:
+        out, at = [], 0
+        for shape, dtype in self.shapes:
+            n = int(np.prod(shape))
+            out.append(flat[at : at + n].reshape(shape).astype(dtype))
+            at += n
+        return jax.tree.unflatten(self.treedef, out)
 
 
 def pipelined_loss_and_grads(
@@ -100,7 +145,7 @@ def pipelined_loss_and_grads(
     split = tensor > 1
     manual = frozenset(a for a in mesh.axis_names if not (split and a == TENSOR))
     s, m_count, n_chunks = schedule.num_stages, schedule.num_microbatches, schedule.num_chunks
-    batch_axes = tuple(a for a in BATCH_AXES if a in sizes)
+    batch_axes = tuple(a for a in TOKEN_AXES if a in sizes)  # expert too: its devices hold different rows
     replicas = int(np.prod([sizes[a] for a in batch_axes]))
     ticks = tick_table(schedule)
     table = jnp.asarray(ticks.table)
@@ -138,22 +183,19 @@ def pipelined_loss_and_grads(
             for layer, li in zip(chunk_layers[c], partition.stages[c], strict=True):
                 h = jax.eval_shape(layer, layer_shapes[li], h)
             bounds.append(h)
-        for c, b in enumerate(bounds):
-            if any(not jnp.issubdtype(x.dtype, jnp.floating) for x in jax.tree.leaves(b)):
-                raise PipelineError(f"the activation after chunk {c} is not floating point ({b}); cut elsewhere")
-        packers = [ravel_pytree(jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), b)) for b in bounds]
-        a_max = max([p[0].size for p in packers] + [1])
-        a_dtype = jnp.result_type(*[p[0].dtype for p in packers] or [jnp.float32])
+        a_dtype = _carrier_dtype(bounds)
+        packers = [_Carrier(b, a_dtype) for b in bounds]
+        a_max = max([p.size for p in packers] + [1])
 
         def fwd(c: int, row: jax.Array, a_in: jax.Array, x: Any, y: Any) -> tuple[jax.Array, jax.Array]:
             p = packing.chunk_params(c, row, constrain=split)
-            h = x if c == 0 else between_layers(packers[c - 1][1](whole(a_in)[: packers[c - 1][0].size]))
-            with stage_tensor(tensor):
+            h = x if c == 0 else between_layers(packers[c - 1].unpack(whole(a_in)))
+            with stage_tensor(tensor), active_token_axes(batch_axes):
                 for layer, lp in zip(chunk_layers[c], p, strict=True):
                     h = between_layers(layer(lp, h))
             if c == n_chunks - 1:
                 return jnp.zeros(a_max, a_dtype), mean_loss_fn(for_loss(h), y).astype(jnp.float32)
-            flat = ravel_pytree(h)[0].astype(a_dtype)
+            flat = packers[c].pack(h)
             return whole(jnp.pad(flat, (0, a_max - flat.size))), jnp.zeros((), jnp.float32)
 
         def forward_branch(c: int, prow, a_in, g_in, x, y):

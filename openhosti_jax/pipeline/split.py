@@ -23,7 +23,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 from openhosti_jax.errors import PipelineError
 from openhosti_jax.pipeline.tensor import active_size, unaligned_dims, whole_along
 from openhosti_jax.state.blocks import BLOCK_NAME, marked_call
-from openhosti_jax.state.context import active_policies, marking_blocks
+from openhosti_jax.state.context import active_policies, current_token_axes, marking_blocks
 from openhosti_jax.state.model import model_parts
 
 
@@ -246,7 +246,7 @@ def _trace(forward: Any, params: Any, inputs: Any, paths: list[str], precision: 
     with marking_blocks(), active_policies("none", precision):
         closed, out_shape = jax.make_jaxpr(forward, return_shape=True)(params, inputs)
     leaves = jax.tree.leaves(params)
-    found = None if len(_marks(closed.jaxpr)) >= 2 else _layer_scan(closed.jaxpr, len(leaves))
+    found = None if len(_marks(closed.jaxpr.eqns)) >= 2 else _layer_scan(closed.jaxpr, len(leaves))
     if found is None:
         return closed, out_shape, (0,) * len(leaves)
     k, stacked = found
@@ -259,10 +259,8 @@ def _trace(forward: Any, params: Any, inputs: Any, paths: list[str], precision: 
     return closed, out_shape, tuple(n if i in stacked else 0 for i in range(len(leaves)))
 
 
-def _marks(jaxpr: Any) -> list[int]:
-    return [
-        i for i, e in enumerate(jaxpr.eqns) if e.primitive.name in ("pjit", "jit") and e.params["name"] == BLOCK_NAME
-    ]
+def _marks(eqns: Sequence[Any]) -> list[int]:
+    return [i for i, e in enumerate(eqns) if e.primitive.name in ("pjit", "jit") and e.params["name"] == BLOCK_NAME]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -290,15 +288,27 @@ class _Program:
         return jax.tree.unflatten(self.out_treedef, out) if s == len(self.segments) - 1 else tuple(out)
 
 
+def _live(jaxpr: Any) -> list[Any]:
+    """The equations of ``jaxpr`` its outputs need (and any with effects), in program order: what the model
+    computes and drops (a block's MoE statistics when the call does not return them) is not cut into layers."""
+    needed = {v for v in jaxpr.outvars if not isinstance(v, Literal)}
+    keep = []
+    for eqn in reversed(jaxpr.eqns):
+        if eqn.effects or any(o in needed for o in eqn.outvars):
+            keep.append(eqn)
+            needed.update(v for v in eqn.invars if not isinstance(v, Literal))
+    return keep[::-1]
+
+
 def _cut(forward: Any, params: Any, inputs: Any, paths: Sequence[str], precision: str) -> _Program:
     paths = list(paths)
     closed, out_shape, stacks = _trace(forward, params, inputs, paths, precision)
     jaxpr = closed.jaxpr
     consts = dict(zip(jaxpr.constvars, closed.consts, strict=True))
-    eqns = jaxpr.eqns
+    eqns = _live(jaxpr)
     n_p = len(paths)
     param_vars, input_vars = list(jaxpr.invars[:n_p]), list(jaxpr.invars[n_p:])
-    marks = _marks(jaxpr)
+    marks = _marks(eqns)
     if len(marks) < 2:
         raise PipelineError(
             f"found {len(marks)} repeated block(s) in the model's forward pass; a pipeline needs a sequence of at "
@@ -342,11 +352,12 @@ def _cut(forward: Any, params: Any, inputs: Any, paths: Sequence[str], precision
         keep = [v for v in made if v in later and v not in param_index and v not in free_defs and v not in consts]
         carries.append(list(dict.fromkeys(keep)))
     for s, carry in enumerate(carries[:-1]):
-        bad = [str(v.aval) for v in carry if not jnp.issubdtype(v.aval.dtype, jnp.floating)]
+        bad = [str(v.aval) for v in carry if not carriable(v.aval.dtype)]
         if bad:
             raise PipelineError(
-                f"layer {s} passes non-floating values {bad} to later layers; the pipeline carries activations as "
-                "floats: compute them from floats or where they are used"
+                f"layer {s} passes values {bad} to later layers; the pipeline carries activations as floats (and "
+                "integers or booleans of at most 32 bits, exact below 2**24): compute them from those or where they "
+                "are used"
             )
     carries[-1] = outputs
     return _Program(
@@ -354,19 +365,37 @@ def _cut(forward: Any, params: Any, inputs: Any, paths: Sequence[str], precision
     )
 
 
+def carriable(dtype: Any) -> bool:
+    """Whether a value of ``dtype`` can travel between stages (`openhosti_jax.pipeline.executor`'s carrier)."""
+    if jnp.issubdtype(dtype, jnp.floating):
+        return True
+    return (jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.bool_)) and jnp.dtype(dtype).itemsize <= 4
+
+
 def _resize(tree: Any, n: int) -> Any:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct((n, *jnp.shape(x)[1:]), jnp.result_type(x)), tree)
 
 
-def split_layers(model: Any, sample_inputs: Any, *, apply_fn: Any = None, precision: str = "fp32") -> LayerSequence:
+def split_layers(
+    model: Any,
+    sample_inputs: Any,
+    *,
+    apply_fn: Any = None,
+    precision: str = "fp32",
+    model_kwargs: Mapping[str, Any] | None = None,
+) -> LayerSequence:
     """The `LayerSequence` of ``model`` (an nnx module, a linen module or an init function, as
     `openhosti_jax.state.model.model_parts` takes) on inputs shaped like ``sample_inputs`` (batch first). The
     forward pass is traced again for each batch size the layers are called with (a microbatch), and cut the same.
     ``precision`` (a name from `openhosti_jax.policies.precision.PRECISIONS` that keeps fp32 parameters) makes the
-    layers compute in its compute dtype: each casts the parameters it holds.
+    layers compute in its compute dtype: each casts the parameters it holds. ``model_kwargs`` are passed to every
+    call of the model (``{"with_aux": True}``: an MoE model's outputs are ``(logits, aux)``, each block's aux
+    carried to the last layer). Inside `openhosti_jax.state.context.active_token_axes` (a pipeline stage) the layers
+    are traced again for it, so a layer that combines statistics over the call's rows does so over those axes.
 
     Raises `PipelineError` when the model has no sequence of at least two repeated blocks, when a parameter is
-    read by two layers (tied weights), or when a value carried between layers is not floating point."""
+    read by two layers (tied weights), or when a value carried between layers is not a float, nor an integer or
+    boolean of at most 32 bits."""
     parts = model_parts(model, sample_inputs, apply_fn=apply_fn)
     if parts.apply_fn is None:
         raise PipelineError("the model has no apply function to trace; pass apply_fn=")
@@ -374,22 +403,37 @@ def split_layers(model: Any, sample_inputs: Any, *, apply_fn: Any = None, precis
     leaves, treedef = jax.tree.flatten(params)
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
 
+    kwargs = dict(model_kwargs or {})
+
     def forward(p: Any, x: Any) -> Any:
-        return parts.apply_fn(p, x, model_state=parts.model_state)
+        return parts.apply_fn(p, x, model_state=parts.model_state, **kwargs)
 
     sample = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), sample_inputs)
-    programs: dict[int, _Program] = {}
+    programs: dict[tuple[int, tuple[str, ...]], _Program] = {}
 
     def program(n: int) -> _Program:
-        if n not in programs:
-            programs[n] = _cut(forward, params, _resize(sample, n), paths, precision)
-        return programs[n]
+        key = (n, current_token_axes())  # traced again inside a stage whose batch axes are manual
+        if key not in programs:
+            programs[key] = _cut(forward, params, _resize(sample, n), paths, precision)
+        return programs[key]
 
-    first = program(jax.tree.leaves(sample)[0].shape[0])
+    n0 = jax.tree.leaves(sample)[0].shape[0]
+    first = program(n0)
+    carried = [[tuple(jnp.shape(x)) for x in jax.tree.leaves(sample)]]
+    carried += [[tuple(v.aval.shape) for v in c] for c in first.carries[:-1]]
+
+    def batch_size(s: int, carry: Any) -> int:
+        """The batch size a carry into layer ``s`` was made for: ``n0`` scaled as the leading dim of the first
+        leaf whose leading dim differs from the traced one (leaves that do not depend on the batch, such as an
+        MoE block's statistics, keep theirs)."""
+        for x, ref in zip(jax.tree.leaves(carry), carried[s], strict=True):
+            if jnp.ndim(x) and ref and jnp.shape(x)[0] != ref[0]:
+                return jnp.shape(x)[0] * n0 // ref[0]
+        return n0
 
     def make_layer(s: int) -> Callable[[Any, Any], Any]:
         def layer(p: Any, carry: Any) -> Any:
-            return program(jax.tree.leaves(carry)[0].shape[0]).run(s, p, carry)
+            return program(batch_size(s, carry)).run(s, p, carry)
 
         return layer
 

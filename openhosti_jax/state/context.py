@@ -90,6 +90,20 @@ def constrain_sequence(x: Any) -> Any:
     return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, spec))
 
 
+def active_token_axes(axes: tuple[str, ...]) -> contextlib.AbstractContextManager[None]:
+    """Within the block, a model's layers are traced as one device's part of a call whose batch rows are split over
+    the manual mesh ``axes`` of the enclosing `jax.shard_map` (a pipeline stage's batch axes, in the order the rows
+    are split): a layer whose result depends on the whole call (an MoE layer's routing capacity and load-balancing
+    loss, `openhosti_jax.models.moe.moe_layer`) combines its statistics over them, so each call computes what one
+    device computes on the whole batch."""
+    return _setting("token_axes", tuple(axes))
+
+
+def current_token_axes() -> tuple[str, ...]:
+    """The manual axes set by the enclosing `active_token_axes` (``()`` outside one)."""
+    return getattr(_local, "token_axes", None) or ()
+
+
 class MicrobatchCount:
     """The accumulation count an ``@spmd`` step runs, and whether the traced step asked for it."""
 

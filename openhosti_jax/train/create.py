@@ -23,7 +23,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -118,6 +118,7 @@ def create_train_state(
     apply_fn: ApplyFn | None = None,
     seed: int | jax.Array = 0,
     sample_batch: Any = None,
+    model_kwargs: Mapping[str, Any] | None = None,
     **plan_kw: Any,
 ) -> CreatedState:
     """Initialise parameters and optimizer state directly into their shards; return a `CreatedState`, which
@@ -128,8 +129,10 @@ def create_train_state(
     ``seed`` seeds both the init key and the state's ``rng`` (used for dropout etc.). ``.report`` is the
     planner's `PlanReport` (why this plan) where it planned or mapped a strategy name, None for a given
     `ShardingPlan`. A pipelined plan (``pipeline_stages`` > 1) gives a stage-local
-    `openhosti_jax.pipeline.PipelineState`, cut from the model's forward pass on ``sample_batch``; train it with
-    `openhosti_jax.pipeline_step`.
+    `openhosti_jax.pipeline.PipelineState`, cut from the model's forward pass on ``sample_batch`` called with
+    ``model_kwargs`` (``{"with_aux": True}``: an MoE model's outputs, which `openhosti_jax.pipeline_step`'s loss
+    receives, are ``(logits, aux)``); train it with `openhosti_jax.pipeline_step`. An unpipelined state's step calls
+    the model itself: ``model_kwargs`` is then a `StateError`.
     """
     if isinstance(plan, ShardingPlan) and plan.pipeline_stages > 1:
         if sample_batch is None:
@@ -138,8 +141,14 @@ def create_train_state(
                 "its blocks are called: pass sample_batch= (the inputs, or (inputs, targets)) to trace it"
             )
         key = jax.random.key(seed) if isinstance(seed, int) else seed
-        return CreatedState(
-            create_pipeline_state(init_fn, tx, mesh, plan, sample_batch, key=key, apply_fn=apply_fn), plan
+        state = create_pipeline_state(
+            init_fn, tx, mesh, plan, sample_batch, key=key, apply_fn=apply_fn, model_kwargs=model_kwargs
+        )
+        return CreatedState(state, plan)
+    if model_kwargs is not None:
+        raise StateError(
+            f"model_kwargs={dict(model_kwargs)!r} are for a pipelined plan, whose step calls the model; expected "
+            "none for this unpipelined plan, found some: pass them in your step's own call of state.apply_fn"
         )
     parts = model_parts(init_fn, apply_fn=apply_fn, mesh=mesh)
     the_plan, report = resolve_plan(plan, parts.params, tx, mesh, **plan_kw)

@@ -26,7 +26,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -115,8 +115,10 @@ def create_pipeline_state(
     *,
     key: jax.Array | None = None,
     apply_fn: Any = None,
+    model_kwargs: Mapping[str, Any] | None = None,
 ) -> PipelineState:
-    """The stage-local state of ``init_fn``'s model for a pipelined ``plan`` (``sample_batch``: the inputs)."""
+    """The stage-local state of ``init_fn``'s model for a pipelined ``plan`` (``sample_batch``: the inputs;
+    ``model_kwargs``: passed to every call of the model, as `split_layers` takes them)."""
     plan.check_mesh(mesh)
     inputs = sample_batch[0] if isinstance(sample_batch, tuple) else sample_batch
     one = jax.tree.map(lambda x: x[:1], inputs)
@@ -126,7 +128,7 @@ def create_pipeline_state(
             f"precision {plan.precision!r} stores the parameters in a low dtype or scales the loss, which pipelined "
             "states do not do yet; use precision 'bf16' (fp32 parameters, bf16 compute) or 'fp32'"
         )
-    seq = split_layers(init_fn, one, apply_fn=apply_fn, precision=plan.precision)
+    seq = split_layers(init_fn, one, apply_fn=apply_fn, precision=plan.precision, model_kwargs=model_kwargs)
     parts = model_parts(init_fn, one, apply_fn=apply_fn)
     sizes = mesh_sizes(mesh)
     specs = None
