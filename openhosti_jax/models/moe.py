@@ -448,7 +448,9 @@ def moe_layer(
 ) -> tuple[jax.Array, MoEAux]:
     """The block as a model runs it: under a mesh (default: the ambient one, `jax.set_mesh`) with an ``expert``
     axis, `expert_parallel` with the tokens over the mesh's data-parallel axes that divide the batch and
-    ``expert``, and the experts' hidden width over ``tensor`` where it divides; else `moe_forward`.
+    ``expert``, and the experts' hidden width over ``tensor`` where it divides; inside a `jax.shard_map` whose manual
+    axes `openhosti_jax.state.context.active_token_axes` names (a pipeline stage), `_ep_local` over them (one call
+    routes every shard's rows; experts sliced over ``expert`` when it is one of them); else `moe_forward`.
 
     >>> import jax, numpy as np
     >>> cfg = MoEConfig(d_model=8, d_ff=16, num_experts=4, top_k=2)

@@ -5,9 +5,11 @@ flattened into one row of a padded ``(V, S, N)`` buffer sharded over ``stage`` (
 ``v * S + d``); activations between chunks travel as padded flat vectors. Every device scans the schedule's
 `TickTable` and picks its chunk's forward or backward body with `lax.switch` on the table entry, so one SPMD
 program runs different code per stage. Backward recomputes the chunk's forward from its stored input (only
-stage inputs stay in flight). The batch is split over the ``data`` and ``fsdp`` axes; gradients are averaged
-over them once, after the schedule. A ``tensor`` axis is left to XLA inside the stages: each chunk's row holds
-every tensor rank's blocks of its weights (`openhosti_jax.pipeline.packing`), so each stage's layers run
+stage inputs stay in flight). The batch is split over the ``data``, ``fsdp`` and ``expert`` axes; gradients are
+averaged over them once, after the schedule. The layers are traced under
+`openhosti_jax.state.context.active_token_axes` of those axes, so a mixture-of-experts layer routes each microbatch
+of all of them as one call, expert-parallel. A ``tensor`` axis is left to XLA inside the stages: each chunk's row
+holds every tensor rank's blocks of its weights (`openhosti_jax.pipeline.packing`), so each stage's layers run
 tensor-parallel (sequence-parallel too where asked) with collectives among that stage's devices only
 (`openhosti_jax.pipeline.tensor`).
 
