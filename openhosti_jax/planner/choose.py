@@ -122,6 +122,7 @@ def choose_plan(
         max_stages=work.layer_count,
         pipeline_tensor=software.pipeline_tensor,
         pipeline_context=software.pipeline_context,
+        pipeline_expert=software.pipeline_expert,
         sequence_parallel=profile.native_reduce_scatter,
         context=context_sizes(work, n_devices, where.devices_per_host if isinstance(where, Cluster) else n_devices),
         expert=expert_sizes(

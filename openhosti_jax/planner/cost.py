@@ -589,12 +589,13 @@ def expert_all_to_all_bytes(work: Workload, examples: float, itemsize: int) -> t
 
 def _expert_collectives(lay: _Layout, comm: _Collectives) -> None:
     """Add the token all-to-alls of the mixture-of-experts layers to ``comm``, per microbatch and layer (the
-    forward's pair again where remat recomputes the block in the backward)."""
+    forward's pair again where remat recomputes the block in the backward, and again where a pipeline's backward
+    recomputes its chunk's forward; a stage's devices move their layers' share, `_Collectives.add`)."""
     nbytes, count = expert_all_to_all_bytes(lay.work, lay.b_local, lay.mp.compute_dtype.itemsize)
     if not count:
         return
-    if lay.plan.remat != "none":
-        nbytes, count = nbytes * 6 / 4, count * 6 / 4
+    pairs = 2 + (lay.plan.remat != "none") + (lay.stages > 1)  # forward, backward, recomputed forwards
+    nbytes, count = nbytes * pairs / 2, count * pairs / 2
     comm.add("all_to_all", nbytes, ("expert",), lay.k * count, what="expert")
 
 

@@ -197,6 +197,7 @@ def predict(
         for axis, splits, lacks in (
             ("tensor", c.stack.pipeline_tensor, "split only the batch (Stack.pipeline_tensor is False)"),
             ("context", c.stack.pipeline_context, "do not split sequences (Stack.pipeline_context is False)"),
+            ("expert", c.stack.pipeline_expert, "do not split experts (Stack.pipeline_expert is False)"),
         ):
             if sizes["stage"] > 1 and sizes.get(axis, 1) > 1 and not splits:
                 raise PlanningError(
@@ -207,6 +208,8 @@ def predict(
         sharded = replicas(sizes) > 1
         stage = (3 if sharded else 0) if zero is None else zero
         axes = hybrid_axes(sizes)
+        if sizes["stage"] > 1 and sizes.get("expert", 1) > 1:  # a stage's ZeRO is over fsdp alone
+            axes = ("fsdp",)
         if sequence_parallel is None:
             sequence_parallel = sizes["tensor"] > 1
         candidate = Candidate(

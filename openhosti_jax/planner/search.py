@@ -25,6 +25,7 @@ from typing import Any
 
 import jax
 from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from openhosti_jax.errors import MemoryBudgetError, PlanningError
 from openhosti_jax.mesh.build import mesh_sizes
@@ -152,6 +153,7 @@ def enumerate_candidates(
     context: Sequence[int] = (1,),
     pipeline_context: bool = True,
     expert: Sequence[int] = (1,),
+    pipeline_expert: bool = False,
 ) -> list[Candidate]:
     """Every distinct (mesh shape, ZeRO stage) for ``n_devices``, once per precision of ``precisions``
     (``max_tensor``: the largest tensor axis, e.g. the devices of one host: a tensor-parallel group that crosses
@@ -164,14 +166,17 @@ def enumerate_candidates(
     ``context``: the sizes of a context axis to try (each sequence split over it, `openhosti_jax.models.context`);
     ``pipeline_context``: whether a pipelined mesh may have one too (`Stack.pipeline_context`); ``expert``: the
     sizes of an ``expert`` axis to try (`expert_sizes`; a candidate's mesh names the axis only where one is > 1),
-    composed with the others (the pipeline's stages hold whole layers, experts included: no expert axis there)."""
+    composed with the others; ``pipeline_expert``: whether a pipelined mesh may have one too
+    (`Stack.pipeline_expert`; its ZeRO shards over ``fsdp`` alone, as the pipeline's state does)."""
     out = []
     for s in [s for s in divisors(n_devices) if max_stages is None or s <= max_stages] if pipeline else [1]:
         for t in [t for t in divisors(n_devices // s) if max_tensor is None or t <= max_tensor] if tensor else [1]:
             if s > 1 and t > 1 and not pipeline_tensor:
                 continue
             for c in [c for c in context if (n_devices // (s * t)) % c == 0 and (s == 1 or c == 1 or pipeline_context)]:
-                for e in [e for e in expert if (n_devices // (s * t * c)) % e == 0 and (s == 1 or e == 1)]:
+                for e in [
+                    e for e in expert if (n_devices // (s * t * c)) % e == 0 and (s == 1 or e == 1 or pipeline_expert)
+                ]:
                     rest = n_devices // (s * t * c * e)
                     for f in divisors(rest):
                         shape = {"stage": s, "data": rest // f, "fsdp": f, "context": c, "tensor": t}
@@ -179,6 +184,8 @@ def enumerate_candidates(
                             shape = {"stage": s, "data": rest // f, "fsdp": f, "expert": e, "context": c, "tensor": t}
                         stages = [0] if f == 1 and e == 1 else [0, 1, 2, 3] if f == 1 else [1, 2, 3]
                         axes = hybrid_axes(shape) if e > 1 else ("fsdp",) if rest // f > 1 else ZERO_AXES
+                        if s > 1 and e > 1:  # a stage's ZeRO is over fsdp (openhosti_jax.pipeline.state)
+                            stages, axes = [0] if f == 1 else [1, 2, 3], ("fsdp",)
                         sequence = t > 1 and sequence_parallel  # it only saves memory: the same bytes move
                         out += [
                             Candidate(shape, z, axes, precision=p, sequence_parallel=sequence)
@@ -250,7 +257,10 @@ def score(
         plan = dataclasses.replace(plan, remat=candidate.remat, num_microbatches=microbatches)
         return Scored(candidate, plan, estimate(plan, work, tx, profile, base, sharded))
     treedef = jax.tree.structure(work.params)
-    base = jax.tree.unflatten(treedef, base_specs(work.params, sizes, rules))
+    flat = base_specs(work.params, sizes, rules)
+    if sizes["stage"] > 1 and sizes.get("expert", 1) > 1 and not stack.pipeline_expert_state:
+        flat = [_without(spec, "expert") for spec in flat]  # a stage holds its experts whole over expert
+    base = jax.tree.unflatten(treedef, flat)
     tx = optimizer_for(tx, candidate.precision)
     plan = ShardingPlan.from_zero(
         work.params,
@@ -280,6 +290,18 @@ def score(
     if cache is not None:
         cache[key] = (plan, base, sharded, tx)
     return Scored(candidate, plan, estimate(plan, work, tx, profile, base, sharded))
+
+
+def _without(spec: P, axis: str) -> P:
+    """``spec`` with ``axis`` named nowhere (the dims it split kept whole over it)."""
+
+    def drop(entry: Any) -> Any:
+        if isinstance(entry, tuple):
+            rest = tuple(a for a in entry if a != axis)
+            return rest if len(rest) > 1 else rest[0] if rest else None
+        return None if entry == axis else entry
+
+    return P(*map(drop, spec))
 
 
 def pipeline_microbatches(work: Workload, candidate: Candidate) -> int:
