@@ -41,6 +41,7 @@ from jax.sharding import PartitionSpec as P
 from openhosti_jax.errors import BatchError, ConfigError, ShardingError
 from openhosti_jax.mesh.config import BATCH_AXES, EXPERT_AXIS
 from openhosti_jax.models.checks import dtype_problem, finite_number, positive_ints
+from openhosti_jax.models.elementwise import recomputed, swiglu
 from openhosti_jax.state.context import current_token_axes
 
 _POSITIVE_INTS = ("d_model", "d_ff", "num_experts", "top_k")
@@ -173,7 +174,7 @@ EXPERT_TOKENS = "moe_tokens/e"
 def _route_local(cfg: MoEConfig, router: jax.Array, x: jax.Array) -> tuple[Routing, jax.Array]:
     """(routing with positions among these tokens, kept all True; int32 counts per expert)."""
     e, k = cfg.num_experts, cfg.top_k
-    logits = x.astype(jnp.float32) @ router.astype(jnp.float32)
+    logits = recomputed(lambda x, w: x.astype(jnp.float32) @ w.astype(jnp.float32))(x, router)  # no float32 copy kept
     probs = jax.nn.softmax(logits, axis=-1)
     top_p, top_e = jax.lax.top_k(probs, k)
     weights = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
@@ -188,13 +189,13 @@ def _route_local(cfg: MoEConfig, router: jax.Array, x: jax.Array) -> tuple[Routi
 
 
 def _swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
-    return (jax.nn.silu(x @ gate) * (x @ up)) @ down
+    return swiglu(x @ gate, x @ up) @ down
 
 
 def _experts_batched(h: jax.Array, w: dict[str, jax.Array], dt: jnp.dtype) -> jax.Array:
     """Each expert's SwiGLU on its own rows: ``h`` ``(E, rows, d_model)``, weights ``(E, ...)``."""
     g, u, d = (w[n].astype(dt) for n in _EXPERT_WEIGHTS)
-    a = jax.nn.silu(jnp.einsum("erd,edf->erf", h, g)) * jnp.einsum("erd,edf->erf", h, u)
+    a = swiglu(jnp.einsum("erd,edf->erf", h, g), jnp.einsum("erd,edf->erf", h, u))
     return jnp.einsum("erf,efd->erd", a, d)
 
 
@@ -202,14 +203,15 @@ def _experts_grouped(h: jax.Array, sizes: jax.Array, w: dict[str, jax.Array], dt
     """Experts' SwiGLU on rows ``h`` ``(rows, d_model)`` sorted by expert, ``sizes[e]`` rows each (rows past
     ``sum(sizes)`` come out zero)."""
     g, u, d = (w[n].astype(dt) for n in _EXPERT_WEIGHTS)
-    a = jax.nn.silu(jax.lax.ragged_dot(h, g, sizes)) * jax.lax.ragged_dot(h, u, sizes)
+    a = swiglu(jax.lax.ragged_dot(h, g, sizes), jax.lax.ragged_dot(h, u, sizes))
     return jax.lax.ragged_dot(a, d, sizes)
 
 
 def _combine(cfg: MoEConfig, w: dict[str, jax.Array], x: jax.Array, r: Routing, per_assignment: jax.Array) -> jax.Array:
     """Weighted sum of each token's expert outputs ``(T * top_k, d_model)``, plus the shared experts."""
     t, d = x.shape
-    y = jnp.einsum("tk,tkd->td", r.weights, per_assignment.reshape(t, cfg.top_k, d).astype(jnp.float32))
+    weigh = recomputed(lambda w, p: jnp.einsum("tk,tkd->td", w, p.astype(jnp.float32)))  # no float32 copy kept
+    y = weigh(r.weights, per_assignment.reshape(t, cfg.top_k, d))
     if cfg.num_shared_experts:
         dt = jnp.dtype(cfg.dtype)
         y = y + _swiglu(x.astype(dt), *(w[n].astype(dt) for n in _SHARED_WEIGHTS)).astype(jnp.float32)
