@@ -195,8 +195,10 @@ def test_supervised_gpt_job_survives_ten_sigkills_bitwise(tmp_path):
         supervisor.kill()
     elapsed = time.monotonic() - t0
     err = err_path.read_text()
-    assert supervisor.returncode == 0, err[-3000:]
-    assert err.count("; restart ") == KILLS, err[-3000:]
+    # Orbax warns once per save; the supervisor's lines and any traceback are what explain a failure
+    told = "\n".join(line for line in err.splitlines() if "WARNING:absl" not in line)[-4000:]
+    assert supervisor.returncode == 0, told
+    assert err.count("; restart ") == KILLS, told
 
     starts, got = _read(log)
     _, want = _read(tmp_path / "ref.log")
