@@ -28,9 +28,11 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import openhosti_jax as oh
-from openhosti_jax.errors import ShardingError, StateError
+from openhosti_jax.checkpoint import CheckpointManager
+from openhosti_jax.errors import PipelineError, ShardingError, StateError
 from openhosti_jax.models.llama import Llama, LlamaConfig
 from openhosti_jax.models.moe import MoEAux, MoEBlock, MoEConfig, moe_layer
+from openhosti_jax.pipeline import LayerCost, evaluate_partition, gpipe, init_pipeline_state
 from openhosti_jax.pipeline.split import split_layers
 from openhosti_jax.planner.cluster import cluster
 from openhosti_jax.planner.cost import estimate
@@ -40,6 +42,7 @@ from openhosti_jax.planner.workload import workload
 from openhosti_jax.sharding.plan import ShardingPlan
 from openhosti_jax.sizes import tree_bytes
 from openhosti_jax.state.context import active_token_axes
+from openhosti_jax.state.init import abstract_train_state
 
 TOL = 1e-5
 PARAM_TOL = 1e-4
@@ -69,7 +72,8 @@ cfg = LlamaConfig.tiny(**kw)
 init = lambda r: Llama(cfg, rngs=nnx.Rngs(r))
 toks = [jax.random.randint(jax.random.key(s), (B, 16), 0, 256) for s in (2, 3, 2)][: args["steps"] or 1]
 mesh = oh.build_mesh(oh.MeshConfig(**sizes))
-plan = oh.ShardingPlan.from_zero({}, None, dict(mesh.shape), 0, pipeline_stages=sizes["stage"], num_microbatches=M)
+plan = oh.ShardingPlan.from_zero({}, None, dict(mesh.shape), args.get("zero", 0), pipeline_stages=sizes["stage"],
+                                 num_microbatches=M)
 tx = optax.adam(1e-2, eps=1e-5)
 state, _ = oh.create_train_state(init, tx, mesh, plan=plan, sample_batch=toks[0], model_kwargs={"with_aux": True})
 params, opt = to_model_state(state)
@@ -113,7 +117,8 @@ ref, ref_grads, auxes = jax.device_get(ref_value_and_grad(p1, jax.device_put(tok
 out = {"loss": float(loss), "ref_loss": float(ref), "grad_err": max(errors(seq.merge(grads), ref_grads)),
        "grad_max": max(float(np.abs(g).max()) for g in jax.tree.leaves(ref_grads)),
        "dropped": [float(a.dropped_fraction.mean()) for a in auxes],
-       "aux_loss": [float(a.loss.sum()) for a in auxes], "stages": list(state.partition.boundaries)}
+       "aux_loss": [float(a.loss.sum()) for a in auxes], "stages": list(state.partition.boundaries),
+       "expert_slots": state.packing.expert, "spec": str(state.params.sharding.spec)}
 if args["steps"]:
     step = oh.pipeline_step(mean_loss, mesh, state)
     result = oh.Trainer(step, progress=False).fit(state, iter([(t, t) for t in toks]), len(toks))
@@ -150,7 +155,11 @@ def run(tmp_path, timeout: int, **args) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def check(out: dict, dispatch: str) -> None:
+def check(out: dict, dispatch: str, mesh: dict, zero: int = 0) -> None:
+    # each expert rank holds only its experts (and over fsdp, ZeRO-3 shards each expert slot further)
+    assert out["expert_slots"] == mesh["expert"], out
+    inner = ("expert", "fsdp") if zero == 3 and mesh.get("fsdp", 1) > 1 else "expert"
+    assert out["spec"] == str(P(None, "stage", inner)), out
     assert abs(out["loss"] - out["ref_loss"]) <= TOL * abs(out["ref_loss"]), out
     assert out["grad_err"] <= TOL * out["grad_max"], out
     dropped = max(out["dropped"])
@@ -174,26 +183,94 @@ MESHES = {
 def test_capacity_moe_gradients_through_stage2_expert2_data2_equal_one_device(tmp_path):
     out = run(tmp_path, 280, mesh=MESHES["stage2-expert2-data2"], dispatch="capacity", microbatches=2, batch=8,
               layers=2, scan=False, steps=0)  # fmt: skip
-    check(out, "capacity")
+    check(out, "capacity", MESHES["stage2-expert2-data2"])
     # a block per stage; each microbatch's aux loss (0.01 x balance + 1e-3 x z-loss, over 2 layers) is ~0.4% of
     # the loss, 400 x TOL: a pipeline that dropped it, or computed it per device, would fail the loss check
     assert out["stages"] == [0, 2, 3, 4] or len(out["stages"]) == 3
     assert min(out["aux_loss"]) > 0.02
 
 
+ADAM_CASES = [  # every mesh, both dispatch modes and both layouts at least once (each case 65-96 s in CI)
+    ("stage2-expert2-data2", False, "dropless", 0),
+    ("stage2-expert4", True, "capacity", 0),
+    ("stage2-expert2-fsdp2", True, "dropless", 3),  # ZeRO-3 over fsdp on top of the experts split over expert
+]
+
+
 @pytest.mark.slow  # ~1-2 min each on the loaded 2-core machine
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("dispatch", ["dropless", "capacity"])
-@pytest.mark.parametrize(("mesh_name", "scan"), [(m, s) for m in MESHES for s in (False, True)])
-def test_three_adam_steps_through_the_pipeline_equal_one_device(tmp_path, mesh_name, scan, dispatch):
+@pytest.mark.parametrize(("mesh_name", "scan", "dispatch", "zero"), ADAM_CASES)
+def test_three_adam_steps_through_the_pipeline_equal_one_device(tmp_path, mesh_name, scan, dispatch, zero):
     out = run(tmp_path, 580, mesh=MESHES[mesh_name], dispatch=dispatch, microbatches=2, batch=16, layers=4,
-              scan=scan, steps=3)  # fmt: skip
-    check(out, dispatch)
+              scan=scan, steps=3, zero=zero)  # fmt: skip
+    check(out, dispatch, MESHES[mesh_name], zero)
 
 
 def _moe_llama(**kw):
     cfg = LlamaConfig.tiny(num_experts=4, top_k=2, **kw)
     return cfg, (lambda r: Llama(cfg, rngs=nnx.Rngs(r)))
+
+
+EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
+
+
+@pytest.mark.timeout(300)
+def test_each_expert_rank_of_a_stage_holds_its_experts_and_their_moments_and_a_checkpoint_restores(tmp_path):
+    """stage=2 x expert=4, 4 experts, one MoE block per stage: each device's shard of the packed parameters and
+    of Adam's two moments holds the stage's other weights whole and exactly its own expert of each expert weight,
+    1/4 of the stage's expert bytes; a checkpoint of the state restores bit for bit onto the same shardings."""
+    cfg, init = _moe_llama(n_layers=2, moe_ffn=64)
+    mesh = oh.build_mesh(oh.MeshConfig(stage=2, expert=4))
+    plan = ShardingPlan.from_zero({}, None, dict(mesh.shape), 0, pipeline_stages=2, num_microbatches=2)
+    tok = jnp.zeros((8, 16), jnp.int32)
+    state, _ = oh.create_train_state(
+        init, optax.adam(1e-3), mesh, plan=plan, sample_batch=tok, model_kwargs={"with_aux": True}
+    )
+    seq, packing, x_n, e_n = state.sequence, state.packing, 4, cfg.num_experts
+    model = nnx.state(init(0), nnx.Param)  # create_train_state's parameters (its default key)
+    paths = seq.split_flat([jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(model)[0]],
+                           lambda path, j: f"{path}[{j}]")  # fmt: skip
+    layers = seq.split(model)
+    per_layer = 3 * e_n * cfg.d_model * 64 * 4  # bytes of one MoE block's routed experts (float32)
+    assert len(state.partition.stages) == 2 and all(len(r) == 2 for r in state.partition.stages)  # a block each
+    # the widest stage's other weights plus a quarter of its experts: what one device holds of a row
+    others = [sum(4 * int(np.prod(x.shape)) for i in r for x, p in zip(layers[i], paths[i], strict=True)
+                  if not any(w in p for w in EXPERT_WEIGHTS)) for r in state.partition.stages]  # fmt: skip
+    assert packing.expert == x_n and 4 * packing.expert_slot == max(o + per_layer // x_n for o in others)
+    moments = [x for x in jax.tree.leaves(state.opt_state) if x.shape == state.params.shape]
+    assert len(moments) == 2  # Adam's mu and nu, packed like the parameters
+    seen = set()
+    for array in (state.params, *moments):
+        assert array.sharding.spec == P(None, "stage", "expert")
+        for shard in array.addressable_shards:
+            c, x = shard.index[1].start, shard.index[2].start // packing.expert_slot
+            data = np.asarray(shard.data).reshape(-1)
+            assert shard.data.nbytes == 4 * packing.expert_slot == array.nbytes // 8  # 1/(stages x experts)
+            held = 0
+            stage = state.partition.stages[c]
+            values = [v for i in stage for v in layers[i]]
+            for leaf, path, value in zip(packing.leaves[c], [p for i in stage for p in paths[i]], values, strict=True):
+                expert = any(w in path for w in EXPERT_WEIGHTS)
+                assert (leaf.edim is not None) == expert, path
+                part = data[leaf.offset : leaf.offset + leaf.length]
+                if expert:
+                    held += 4 * leaf.length
+                    mine = np.asarray(value)[x * e_n // x_n : (x + 1) * e_n // x_n]  # this rank's expert
+                else:
+                    mine = np.asarray(value)  # every rank holds the other weights whole
+                if array is state.params:
+                    np.testing.assert_array_equal(part, mine.ravel())
+            assert held == per_layer // x_n  # closed form: 1/expert of the stage's expert bytes
+            seen.add((c, x))
+    assert seen == {(c, x) for c in range(2) for x in range(x_n)}
+    # a checkpoint of the pipelined state restores onto its shardings, bit for bit
+    with CheckpointManager(tmp_path / "ckpt", every_minutes=None) as ckpt:
+        assert ckpt.maybe_save(1, state, force=True)
+        ckpt.wait()
+        restored, _, _ = ckpt.restore(abstract_train_state(state))
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored), strict=True):
+        assert a.sharding == b.sharding
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 @pytest.mark.parametrize("scan", [False, True])
@@ -226,6 +303,24 @@ def test_a_stage_whose_expert_axis_does_not_divide_the_experts_is_a_typed_error(
     f = jax.shard_map(body, mesh=mesh, in_specs=(P(), P("expert")), out_specs=P("expert"))
     with pytest.raises(ShardingError, match=r"size 3, which does not divide num_experts=4.*use a mesh"):
         jax.eval_shape(f, w, jax.ShapeDtypeStruct((6, 4, 8), jnp.float32))
+    two = Mesh(np.array(jax.devices()[:2]), ("expert",))
+    f = jax.shard_map(body, mesh=two, in_specs=(P(), P("expert")), out_specs=P("expert"))
+    odd = {n: v[:3] if n.startswith("w_") else v for n, v in w.items()}  # neither all 4 experts nor a rank's 2
+    with pytest.raises(ShardingError, match=r"all num_experts=4 experts or this 'expert' rank's 2.*found"):
+        jax.eval_shape(f, odd, jax.ShapeDtypeStruct((4, 4, 8), jnp.float32))
+
+
+def test_experts_a_pipelined_expert_axis_does_not_divide_are_typed_errors():
+    mesh = oh.build_mesh(oh.MeshConfig(stage=2, expert=4))
+    plan = ShardingPlan.from_zero({}, None, dict(mesh.shape), 0, pipeline_stages=2, num_microbatches=2)
+    cfg = LlamaConfig.tiny(n_layers=2, num_experts=6, top_k=2)
+    init = lambda r: Llama(cfg, rngs=nnx.Rngs(r))  # noqa: E731
+    with pytest.raises(ShardingError, match=r"w_gate.*6 experts.*do not divide over the 'expert' axis of size 4"):
+        oh.create_train_state(init, optax.adam(1e-3), mesh, plan=plan, sample_batch=jnp.zeros((8, 16), jnp.int32))
+    cut = evaluate_partition([LayerCost(1, 1, 1, 1, 1, 1)] * 2, (0, 1, 2), 2)
+    params = [{"w": jnp.ones((6, 3))}, {"w": jnp.ones((4, 3))}]
+    with pytest.raises(PipelineError, match=r"layer 0 leaf \['w'\].*dim 0 of shape \(6, 3\) over expert=4"):
+        init_pipeline_state(params, optax.sgd(0.1), mesh, cut, gpipe(2, 2), tensor_specs=[{"w": P("expert")}] * 2)
 
 
 def test_model_kwargs_on_an_unpipelined_plan_is_a_typed_error():

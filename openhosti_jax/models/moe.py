@@ -488,8 +488,10 @@ def _manual_call(
 ) -> tuple[jax.Array, MoEAux]:
     """The block traced inside a `jax.shard_map` whose manual ``token_axes`` split the call's rows
     (`openhosti_jax.state.context.active_token_axes`: a pipeline stage): `_ep_local` on this device's rows, the
-    experts split over ``expert`` where it is one of ``token_axes`` (each device runs its slice of the whole
-    weights it holds), capacity and aux statistics over all the axes' rows, as `moe_forward` on the whole call."""
+    experts split over ``expert`` where it is one of ``token_axes`` (each device runs its own experts: the weights
+    it is given when they hold ``num_experts / expert`` of them, as a stage whose state splits them over ``expert``
+    passes them, else its slice of the whole), capacity and aux statistics over all the axes' rows, as
+    `moe_forward` on the whole call."""
     n_ep = int(sizes.get(EXPERT_AXIS, 1)) if EXPERT_AXIS in token_axes else 1
     if cfg.num_experts % n_ep:
         raise ShardingError(
@@ -498,8 +500,16 @@ def _manual_call(
         )
     if n_ep > 1:
         e_local = cfg.num_experts // n_ep
-        start = jax.lax.axis_index(EXPERT_AXIS) * e_local
-        w = {n: jax.lax.dynamic_slice_in_dim(v, start, e_local) if n in _EXPERT_WEIGHTS else v for n, v in w.items()}
+        held = {n: int(v.shape[0]) for n, v in w.items() if n in _EXPERT_WEIGHTS}
+        if set(held.values()) == {cfg.num_experts}:  # every expert held: this rank's slice
+            start = jax.lax.axis_index(EXPERT_AXIS) * e_local
+            w = {n: jax.lax.dynamic_slice_in_dim(v, start, e_local) if n in held else v for n, v in w.items()}
+        elif set(held.values()) != {e_local}:
+            raise ShardingError(
+                f"expected the experts' weights to hold all num_experts={cfg.num_experts} experts or this "
+                f"{EXPERT_AXIS!r} rank's {e_local} (of {n_ep} ranks), found {held}; split them over the "
+                f"{EXPERT_AXIS!r} axis of this mesh, or pass them whole"
+            )
     calls = math.prod(int(sizes[a]) for a in token_axes)
     return _ep_local(
         w,

@@ -8,10 +8,12 @@ program runs different code per stage. Backward recomputes the chunk's forward f
 stage inputs stay in flight). The batch is split over the ``data``, ``fsdp`` and ``expert`` axes; gradients are
 averaged over them once, after the schedule. The layers are traced under
 `openhosti_jax.state.context.active_token_axes` of those axes, so a mixture-of-experts layer routes each microbatch
-of all of them as one call, expert-parallel. A ``tensor`` axis is left to XLA inside the stages: each chunk's row
-holds every tensor rank's blocks of its weights (`openhosti_jax.pipeline.packing`), so each stage's layers run
-tensor-parallel (sequence-parallel too where asked) with collectives among that stage's devices only
-(`openhosti_jax.pipeline.tensor`).
+of all of them as one call, expert-parallel. Where the packing splits leaves over ``expert`` (a mixture-of-experts
+layer's stacked experts), each expert rank holds and runs only its own experts: their gradients are summed over
+the other batch axes, those of the leaves every rank holds over ``expert`` too. A ``tensor`` axis is left to XLA
+inside the stages: each chunk's row holds every tensor rank's blocks of its weights
+(`openhosti_jax.pipeline.packing`), so each stage's layers run tensor-parallel (sequence-parallel too where asked)
+with collectives among that stage's devices only (`openhosti_jax.pipeline.tensor`).
 
 Example:
     >>> import jax, jax.numpy as jnp
@@ -44,7 +46,7 @@ from jax.sharding import PartitionSpec as P
 from openhosti_jax.errors import BatchError, PipelineError
 from openhosti_jax.mesh import TOKEN_AXES, mesh_sizes
 from openhosti_jax.pipeline.costs import Layer
-from openhosti_jax.pipeline.packing import Packing
+from openhosti_jax.pipeline.packing import EXPERT, Packing
 from openhosti_jax.pipeline.partitioner import StagePartition
 from openhosti_jax.pipeline.schedule import Schedule
 from openhosti_jax.pipeline.split import carriable as _carriable
@@ -144,15 +146,26 @@ def pipelined_loss_and_grads(
             f"the parameters are packed for a tensor axis of {packing.tensor} but the mesh's is {tensor}; make the "
             "state (or packing) on this mesh"
         )
+    if packing.expert not in (1, sizes.get(EXPERT, 1)):
+        raise PipelineError(
+            f"the parameters are packed for an expert axis of {packing.expert} but the mesh's is "
+            f"{sizes.get(EXPERT, 1)}; make the state (or packing) on this mesh"
+        )
     split = tensor > 1
     manual = frozenset(a for a in mesh.axis_names if not (split and a == TENSOR))
     s, m_count, n_chunks = schedule.num_stages, schedule.num_microbatches, schedule.num_chunks
     batch_axes = tuple(a for a in TOKEN_AXES if a in sizes)  # expert too: its devices hold different rows
     replicas = int(np.prod([sizes[a] for a in batch_axes]))
+    # with experts split over expert, each expert rank holds its own experts (summed over the other batch axes)
+    # and a copy of the other leaves, a prefix of each tensor slot (summed over expert too)
+    experts = packing.expert > 1
+    expert_replicas = tuple(a for a in batch_axes if a != EXPERT) if experts else batch_axes
+    shared = np.asarray(packing.shared, np.int32).reshape(packing.num_virtual, s)
+    shared_max = int(shared.max()) if experts else 0
     ticks = tick_table(schedule)
     table = jnp.asarray(ticks.table)
     chunk_layers = [[layers[i] for i in r] for r in partition.stages]
-    n_max, p_dtype = packing.width, packing.dtype
+    n_max, p_dtype = packing.expert_slot, packing.dtype  # a device's part of a row
 
     def between_layers(h: Any) -> Any:
         """A carry between layers, split along the sequence over ``tensor`` where asked and possible."""
@@ -249,17 +262,26 @@ def pipelined_loss_and_grads(
 
             (_, _, g_acc, loss), _ = lax.scan(tick, carry, table)
             loss = lax.psum(loss, "stage")
+            if expert_replicas:
+                g_acc = lax.psum(g_acc, expert_replicas)
+            if experts and shared_max:  # the leaves every expert rank holds: summed over expert too
+                slots = g_acc.reshape(g_acc.shape[0], tensor, packing.slot)
+                head = slots[..., :shared_max]
+                mine = jnp.arange(shared_max)[None, :] < jnp.asarray(shared)[:, d][:, None]
+                head = jnp.where(mine[:, None, :], lax.psum(head, EXPERT), head)
+                g_acc = jnp.concatenate([head, slots[..., shared_max:]], axis=-1).reshape(g_acc.shape)
             if batch_axes:
-                g_acc = lax.psum(g_acc, batch_axes) / replicas
+                g_acc = g_acc / replicas
                 loss = lax.psum(loss, batch_axes) / replicas
             return loss, g_acc[:, None]
 
         spec_batch = P(batch_axes or None)
+        spec_row = P(None, "stage", EXPERT if experts else None)
         return jax.shard_map(
             body,
             mesh=mesh,
-            in_specs=(P(None, "stage", None), spec_batch, spec_batch),
-            out_specs=(P(), P(None, "stage", None)),
+            in_specs=(spec_row, spec_batch, spec_batch),
+            out_specs=(P(), spec_row),
             axis_names=manual,
             check_vma=False,
         )(packed, inputs, targets)
@@ -282,15 +304,18 @@ def make_pipeline_step(
     the gradients equal those of ``mean_loss_fn(model(inputs), targets)`` on the whole batch. The parameters enter
     whole and are packed per step: `openhosti_jax.pipeline.state` keeps them packed and stage-local instead.
     ``tensor_specs`` (per layer, a `PartitionSpec` per parameter leaf): the dims split over a ``tensor`` axis of
-    ``mesh`` (`Packing`); leaves without one are stored split and gathered whole where they are used.
+    ``mesh`` (`Packing`); leaves without one are stored split and gathered whole where they are used. A dim a spec
+    puts on an ``expert`` axis of ``mesh`` is split over it: each expert rank's layers get its block of such a
+    leaf (a mixture-of-experts layer's own experts).
     """
     _check(layers, mesh, partition, schedule)
-    tensor = mesh_sizes(mesh).get(TENSOR, 1)
+    sizes = mesh_sizes(mesh)
+    tensor, expert = sizes.get(TENSOR, 1), sizes.get(EXPERT, 1)
 
     @jax.jit
     def step(params: Sequence[Any], batch: Batch) -> tuple[jax.Array, list[Any]]:
         params = list(params)
-        packing = Packing(params, partition, schedule, tensor=tensor, tensor_specs=tensor_specs)
+        packing = Packing(params, partition, schedule, tensor=tensor, expert=expert, tensor_specs=tensor_specs)
         shapes = [jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), p) for p in params]
         run = pipelined_loss_and_grads(layers, mean_loss_fn, mesh, partition, schedule, packing, shapes)
         loss, g_packed = run(packing.pack(params), batch)

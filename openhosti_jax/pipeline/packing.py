@@ -9,6 +9,13 @@ dim over ``tensor`` then gives each rank its own blocks, and `Packing.chunk_para
 slots with the split dims sharded over ``tensor``, so XLA partitions the stage's layers over it. With ``T = 1`` a
 row is the chunk's leaves flattened one after the other (`jax.flatten_util.ravel_pytree`'s order).
 
+With an ``expert`` axis of size ``X`` and leaves whose spec puts a dim on ``expert`` (a mixture-of-experts layer's
+stacked experts), a row is ``X`` equal expert slots, each ``T`` tensor slots: expert slot ``x`` holds the ``x``-th
+block of every such leaf along its experts dim and a copy of every other leaf (those come first in each slot, so
+the copies are one prefix a stage all-reduces over ``expert``). Sharding the last dim over ``expert`` gives each
+expert rank its own experts, their gradients and optimizer state, and `Packing.chunk_params` of one expert slot
+gives that rank's leaves, its experts' dims ``1/X`` of the whole.
+
 Example:
     >>> import jax.numpy as jnp
     >>> from jax.sharding import PartitionSpec as P
@@ -40,6 +47,9 @@ from openhosti_jax.pipeline.schedule import Schedule
 from openhosti_jax.pipeline.tensor import TENSOR, tensor_dim
 from openhosti_jax.sharding.specs import is_spec
 
+EXPERT = "expert"
+"""The mesh axis a stage's experts are split over."""
+
 
 class _Leaf(NamedTuple):
     """Where one parameter leaf sits in its chunk's slots."""
@@ -48,17 +58,34 @@ class _Leaf(NamedTuple):
     dtype: Any
     dim: int | None
     """The dim split over ``tensor`` (None: the leaf is flattened and cut into ``T`` pieces)."""
+    edim: int | None
+    """The experts dim split over ``expert`` (None: every expert slot holds the whole leaf)."""
     offset: int
-    """Start of the leaf's part in each slot."""
+    """Start of the leaf's part in each tensor slot."""
     length: int
-    """Elements of the leaf in each slot."""
+    """Elements of the leaf in each tensor slot."""
 
 
-def _dims(params: Sequence[Any], tensor: int, tensor_specs: Sequence[Any] | None) -> list[list[int | None]]:
-    """Per layer, per leaf (in `jax.tree.leaves` order), the dim split over ``tensor``; raise `PipelineError`
-    listing every spec that does not fit its leaf."""
-    if tensor_specs is None or tensor == 1:
-        return [[None] * len(jax.tree.leaves(p)) for p in params]
+def axis_dim(spec: P, axis: str) -> int | None:
+    """The dim of ``spec`` that names mesh ``axis`` (alone or in a tuple), or None."""
+    for i, entry in enumerate(spec):
+        if entry == axis or (isinstance(entry, tuple) and axis in entry):
+            return i
+    return None
+
+
+def _local_shape(shape: tuple[int, ...], edim: int | None, expert: int) -> tuple[int, ...]:
+    """One expert rank's shape of a leaf: its experts dim ``1/expert`` of the whole."""
+    return shape if edim is None else (*shape[:edim], shape[edim] // expert, *shape[edim + 1 :])
+
+
+def _dims(
+    params: Sequence[Any], tensor: int, expert: int, tensor_specs: Sequence[Any] | None
+) -> list[list[tuple[int | None, int | None]]]:
+    """Per layer, per leaf (in `jax.tree.leaves` order), (the dim split over ``tensor``, the dim split over
+    ``expert``); raise `PipelineError` listing every spec that does not fit its leaf."""
+    if tensor_specs is None or (tensor == 1 and expert == 1):
+        return [[(None, None)] * len(jax.tree.leaves(p)) for p in params]
     if len(tensor_specs) != len(params):
         raise PipelineError(
             f"expected one tensor-parallel spec tree per layer ({len(params)} layers), found {len(tensor_specs)}; "
@@ -72,37 +99,46 @@ def _dims(params: Sequence[Any], tensor: int, tensor_specs: Sequence[Any] | None
             problems.append(
                 f"layer {li}: expected a PartitionSpec per parameter leaf ({len(leaves)}), found {len(flat)} specs"
             )
-            out.append([None] * len(leaves))
+            out.append([(None, None)] * len(leaves))
             continue
         dims = []
         for (path, x), spec in zip(leaves, flat, strict=True):
             where = f"layer {li} leaf {jax.tree_util.keystr(path) or '(root)'}"
-            shape, d = jnp.shape(x), tensor_dim(spec)
+            shape = tuple(jnp.shape(x))
+            d = tensor_dim(spec) if tensor > 1 else None
+            e = axis_dim(spec, EXPERT) if expert > 1 else None
             if len(spec) > len(shape):
                 problems.append(f"{where}: spec {spec} names more dims than shape {shape} has")
-            elif d is not None and shape[d] % tensor:
-                problems.append(
-                    f"{where}: spec {spec} splits dim {d} of shape {shape} over tensor={tensor}, which does not "
-                    f"divide {shape[d]}"
-                )
-            dims.append(d if d is not None and d < len(shape) and shape[d] % tensor == 0 else None)
+                dims.append((None, None))
+                continue
+            for name, k, n in ((TENSOR, d, tensor), (EXPERT, e, expert)):
+                if k is not None and shape[k] % n:
+                    problems.append(
+                        f"{where}: spec {spec} splits dim {k} of shape {shape} over {name}={n}, which does not "
+                        f"divide {shape[k]}"
+                    )
+            if d is not None and d == e:
+                problems.append(f"{where}: spec {spec} splits dim {d} over both tensor and expert")
+            dims.append((d, e))  # any that does not fit is a problem raised below
         out.append(dims)
     if problems:
         raise PipelineError(
-            "tensor-parallel specs do not fit the layers' parameters:\n  "
+            "tensor- and expert-parallel specs do not fit the layers' parameters:\n  "
             + "\n  ".join(problems)
-            + "\nsplit only dims the tensor axis divides (or leave them whole), or use a tensor axis dividing them"
+            + "\nsplit only dims the axis divides (or leave them whole), or use a tensor / expert axis dividing them"
         )
     return out
 
 
 class Packing:
     """How the chunks' parameters map to rows of the padded ``(V, S, N)`` buffer: chunk ``c`` in row
-    ``(c // S, c % S)``, ``N = T * W`` for a tensor axis of ``T`` slots of ``W`` elements each (``W`` the widest
-    chunk's slot, rounded up to a multiple of ``align``, so an ``fsdp`` axis of that size divides each slot), in one
-    dtype (the parameters' common one). ``tensor_specs``: per layer, a `PartitionSpec` per parameter leaf (a pytree
-    like the layer's parameters); a leaf whose spec puts a dim on ``tensor`` is split along it (the other axes it
-    names are ignored: ZeRO inside a stage shards the buffer itself)."""
+    ``(c // S, c % S)``, ``N = X * T * W`` for ``X`` expert slots of ``T`` tensor slots of ``W`` elements each
+    (``W`` the widest chunk's slot, rounded up to a multiple of ``align``, so an ``fsdp`` axis of that size divides
+    each slot), in one dtype (the parameters' common one). ``tensor_specs``: per layer, a `PartitionSpec` per
+    parameter leaf (a pytree like the layer's parameters); a leaf whose spec puts a dim on ``tensor`` is split along
+    it, one whose spec puts a dim on ``expert`` is split along that one over the expert slots (the other axes a
+    spec names are ignored: ZeRO inside a stage shards the buffer itself). ``X`` is ``expert`` where some leaf is
+    split over it, else 1 (a model without experts is not copied into expert slots)."""
 
     def __init__(
         self,
@@ -112,41 +148,57 @@ class Packing:
         align: int = 1,
         *,
         tensor: int = 1,
+        expert: int = 1,
         tensor_specs: Sequence[Any] | None = None,
     ):
-        if tensor < 1:
-            raise PipelineError(f"tensor must be a positive int (the mesh's tensor axis), found {tensor!r}")
+        for name, n in (("tensor", tensor), ("expert", expert)):
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise PipelineError(f"{name} must be a positive int (the mesh's {name} axis), found {n!r}")
         self.stages = partition.stages
         self.num_stages, self.num_virtual = schedule.num_stages, schedule.num_virtual
         self.tensor = tensor
         self.num_layers = len(params)
-        self.layer_dims = _dims(params, tensor, tensor_specs)
+        dims = _dims(params, tensor, expert, tensor_specs)
+        self.layer_dims = [[d for d, _ in layer] for layer in dims]
+        self.layer_edims = [[e for _, e in layer] for layer in dims]
+        self.expert = expert if any(e is not None for layer in self.layer_edims for e in layer) else 1
         self.layer_shapes = [[tuple(jnp.shape(x)) for x in jax.tree.leaves(p)] for p in params]
-        self.treedefs, self.leaves = [], []
+        self.treedefs, self.leaves, self.shared = [], [], []
         for r in self.stages:
             leaves, treedef = jax.tree.flatten(tuple(params[i] for i in r))
-            dims = [d for i in r for d in self.layer_dims[i]]
-            laid, offset = [], 0
-            for x, d in zip(leaves, dims, strict=True):
-                shape = tuple(jnp.shape(x))
-                length = math.prod(shape) // tensor if d is not None else -(-math.prod(shape) // tensor)
-                laid.append(_Leaf(shape, jnp.result_type(x), d, offset, length))
-                offset += length
+            chunk_dims = [d for i in r for d in dims[i]]
+            lengths = []
+            for x, (d, e) in zip(leaves, chunk_dims, strict=True):
+                size = math.prod(_local_shape(tuple(jnp.shape(x)), e, self.expert))
+                lengths.append(size // tensor if d is not None else -(-size // tensor))
+            # the leaves every expert slot holds whole first, then the experts: the copies are one prefix
+            order = sorted(range(len(leaves)), key=lambda j: chunk_dims[j][1] is not None)
+            offsets, offset = [0] * len(leaves), 0
+            for j in order:
+                offsets[j] = offset
+                offset += lengths[j]
+            self.leaves.append(
+                [
+                    _Leaf(tuple(jnp.shape(x)), jnp.result_type(x), d, e, o, n)
+                    for x, (d, e), o, n in zip(leaves, chunk_dims, offsets, lengths, strict=True)
+                ]
+            )
+            self.shared.append(sum(n for n, (_, e) in zip(lengths, chunk_dims, strict=True) if e is None))
             self.treedefs.append(treedef)
-            self.leaves.append(laid)
         self.widths = [sum(leaf.length for leaf in c) for c in self.leaves]
         self.slot = -(-max(max(self.widths), 1) // align) * align
-        self.width = tensor * self.slot
+        self.width = self.expert * tensor * self.slot
         dtypes = [leaf.dtype for c in self.leaves for leaf in c if math.prod(leaf.shape)]
         self.dtype = jnp.result_type(*dtypes or [jnp.float32])
 
     def _key(self) -> tuple:
         stages = tuple((r.start, r.stop) for r in self.stages)
-        leaves = tuple((x.shape, str(x.dtype), x.dim) for c in self.leaves for x in c)
+        leaves = tuple((x.shape, str(x.dtype), x.dim, x.edim) for c in self.leaves for x in c)
         return (
             stages,
             self.num_virtual,
             self.tensor,
+            self.expert,
             self.slot,
             str(self.dtype),
             leaves,
@@ -165,28 +217,52 @@ class Packing:
         return (self.num_virtual, self.num_stages, self.width)
 
     @property
+    def expert_slot(self) -> int:
+        """Elements of one expert slot (``T * W``): what one expert rank holds of a row."""
+        return self.tensor * self.slot
+
+    @property
     def tensor_specs(self) -> list[tuple[P, ...]]:
         """Per layer, the `PartitionSpec` of each parameter leaf (in `jax.tree.leaves` order) inside a stage: its
-        tensor-split dim on ``tensor``. What the packing was made with, to pack the same layers again."""
+        tensor-split dim on ``tensor``, its experts dim on ``expert``. What the packing was made with, to pack the
+        same layers again."""
         return [
-            tuple(_leaf_spec(len(s), d) for s, d in zip(shapes, dims, strict=True))
-            for shapes, dims in zip(self.layer_shapes, self.layer_dims, strict=True)
+            tuple(_leaf_spec(len(s), d, e) for s, d, e in zip(shapes, dims, edims, strict=True))
+            for shapes, dims, edims in zip(self.layer_shapes, self.layer_dims, self.layer_edims, strict=True)
         ]
 
-    def _row(self, c: int, chunk: Any) -> jax.Array:
+    def local_shape(self, leaf: _Leaf) -> tuple[int, ...]:
+        """One expert rank's shape of ``leaf`` (the whole shape unless it is split over ``expert``)."""
+        return _local_shape(leaf.shape, leaf.edim, self.expert)
+
+    def expert_elements(self, c: int) -> int:
+        """Elements of chunk ``c``'s experts one expert rank holds (0 without experts split over ``expert``)."""
+        return sum(math.prod(self.local_shape(x)) for x in self.leaves[c] if x.edim is not None)
+
+    def _slots(self, x: jax.Array, leaf: _Leaf) -> jax.Array:
+        """``(T, length)``: one expert rank's part ``x`` of ``leaf`` cut into its tensor slots."""
         t = self.tensor
+        if leaf.dim is None:
+            flat = jnp.ravel(x)
+            return jnp.pad(flat, (0, t * leaf.length - flat.size)).reshape(t, leaf.length)
+        k, shape = leaf.dim, x.shape
+        blocks = x.reshape(*shape[:k], t, shape[k] // t, *shape[k + 1 :])
+        return jnp.moveaxis(blocks, k, 0).reshape(t, leaf.length)
+
+    def _row(self, c: int, chunk: Any) -> jax.Array:
+        n_x, t = self.expert, self.tensor
         parts = []
-        for x, leaf in zip(jax.tree.leaves(chunk), self.leaves[c], strict=True):
+        for x, leaf in sorted(zip(jax.tree.leaves(chunk), self.leaves[c], strict=True), key=lambda p: p[1].offset):
             x = jnp.asarray(x, self.dtype)
-            if leaf.dim is None:
-                flat = jnp.ravel(x)
-                parts.append(jnp.pad(flat, (0, t * leaf.length - flat.size)).reshape(t, leaf.length))
-            else:
-                k, shape = leaf.dim, leaf.shape
-                blocks = x.reshape(*shape[:k], t, shape[k] // t, *shape[k + 1 :])
-                parts.append(jnp.moveaxis(blocks, k, 0).reshape(t, leaf.length))
-        slots = jnp.concatenate(parts, axis=1) if parts else jnp.zeros((t, 0), self.dtype)
-        return jnp.pad(slots, ((0, 0), (0, self.slot - slots.shape[1]))).reshape(self.width)
+            if leaf.edim is None or n_x == 1:
+                part = jnp.broadcast_to(self._slots(x, leaf), (n_x, t, leaf.length))
+            else:  # expert rank r's block of the experts in expert slot r
+                k, shape = leaf.edim, leaf.shape
+                ranks = jnp.moveaxis(x.reshape(*shape[:k], n_x, shape[k] // n_x, *shape[k + 1 :]), k, 0)
+                part = jax.vmap(lambda y, leaf=leaf: self._slots(y, leaf))(ranks)
+            parts.append(part)
+        slots = jnp.concatenate(parts, axis=2) if parts else jnp.zeros((n_x, t, 0), self.dtype)
+        return jnp.pad(slots, ((0, 0), (0, 0), (0, self.slot - slots.shape[2]))).reshape(self.width)
 
     def pack(self, params: Sequence[Any]) -> jax.Array:
         """The ``(V, S, N)`` buffer holding ``params`` (one pytree per layer)."""
@@ -195,40 +271,53 @@ class Packing:
         return jnp.stack([jnp.stack(rows[v * s : (v + 1) * s]) for v in range(self.num_virtual)])
 
     def chunk_params(self, c: int, row: jax.Array, *, constrain: bool = False) -> tuple[Any, ...]:
-        """Chunk ``c``'s layer parameters (a tuple, one pytree per layer) from its row of ``N`` elements. With
-        ``constrain`` (inside a step whose ``tensor`` axis is left to XLA) the slots and each tensor-split leaf are
-        placed over ``tensor`` and the other leaves replicated, so the stage's layers run tensor-parallel."""
+        """Chunk ``c``'s layer parameters (a tuple, one pytree per layer) from one expert slot of its row (``T *
+        W`` elements, the whole row without expert slots): one expert rank's leaves, its experts only where they
+        are split over ``expert``. With ``constrain`` (inside a step whose ``tensor`` axis is left to XLA) the
+        slots and each tensor-split leaf are placed over ``tensor`` and the other leaves replicated, so the
+        stage's layers run tensor-parallel."""
         t = self.tensor
         slots = row.reshape(t, self.slot)
         if constrain:
             slots = jax.lax.with_sharding_constraint(slots, P(TENSOR, None))
-        out = []
         # one split of the row into the leaves' consecutive parts: its transpose (the gradient row) is one
         # concatenate, where a slice per leaf transposes to a full-row pad per leaf that XLA keeps two rows of
-        cuts = [leaf.offset + leaf.length for leaf in self.leaves[c]]
-        parts = jnp.split(slots[:, : cuts[-1]], cuts[:-1], axis=1) if cuts else []
+        laid = sorted(range(len(self.leaves[c])), key=lambda j: self.leaves[c][j].offset)
+        cuts = [self.leaves[c][j].offset + self.leaves[c][j].length for j in laid]
+        pieces = jnp.split(slots[:, : cuts[-1]], cuts[:-1], axis=1) if cuts else []
+        parts: list[Any] = [None] * len(laid)
+        for j, piece in zip(laid, pieces, strict=True):
+            parts[j] = piece
+        out = []
         for leaf, part in zip(self.leaves[c], parts, strict=True):
-            size = math.prod(leaf.shape)
+            shape = self.local_shape(leaf)
             if leaf.dim is None:
-                x = part.reshape(t * leaf.length)[:size].reshape(leaf.shape)
+                x = part.reshape(t * leaf.length)[: math.prod(shape)].reshape(shape)
             else:
-                k, shape = leaf.dim, leaf.shape
+                k = leaf.dim
                 local = (*shape[:k], shape[k] // t, *shape[k + 1 :])
                 x = jnp.moveaxis(part.reshape(t, *local), 0, k).reshape(shape)
             if constrain:
-                x = jax.lax.with_sharding_constraint(x, _leaf_spec(len(leaf.shape), leaf.dim))
+                x = jax.lax.with_sharding_constraint(x, _leaf_spec(len(shape), leaf.dim, None))
             out.append(x.astype(leaf.dtype))
         return jax.tree.unflatten(self.treedefs[c], out)
 
     def unpack(self, packed: jax.Array) -> list[Any]:
-        """The per-layer pytrees held in a ``(V, S, N)`` buffer (`pack`'s inverse)."""
+        """The per-layer pytrees held in a ``(V, S, N)`` buffer (`pack`'s inverse): each leaf whole, its experts
+        gathered from the expert slots (a leaf every slot holds is read from the first)."""
         out: list[Any] = [None] * self.num_layers
-        s = self.num_stages
+        s, n_x = self.num_stages, self.expert
         for c, r in enumerate(self.stages):
-            for li, p in zip(r, self.chunk_params(c, packed[c // s, c % s]), strict=True):
+            slots = packed[c // s, c % s].reshape(n_x, self.expert_slot)
+            ranks = [jax.tree.leaves(self.chunk_params(c, slots[x])) for x in range(n_x)]
+            leaves = [
+                ranks[0][j] if leaf.edim is None else jnp.concatenate([rank[j] for rank in ranks], axis=leaf.edim)
+                for j, leaf in enumerate(self.leaves[c])
+            ]
+            for li, p in zip(r, jax.tree.unflatten(self.treedefs[c], leaves), strict=True):
                 out[li] = p
         return out
 
 
-def _leaf_spec(rank: int, dim: int | None) -> P:
-    return P(*[TENSOR if i == dim else None for i in range(rank)])
+def _leaf_spec(rank: int, dim: int | None, edim: int | None) -> P:
+    return P(*[TENSOR if i == dim else EXPERT if i == edim else None for i in range(rank)])

@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from openhosti_jax.errors import PipelineError
 from openhosti_jax.pipeline.tensor import active_size, unaligned_dims, whole_along
+from openhosti_jax.sharding.rules import EXPERTS, logical_names
 from openhosti_jax.state.blocks import BLOCK_NAME, marked_call
 from openhosti_jax.state.context import active_policies, current_token_axes, marking_blocks
 from openhosti_jax.state.model import model_parts
@@ -391,7 +392,10 @@ def split_layers(
     layers compute in its compute dtype: each casts the parameters it holds. ``model_kwargs`` are passed to every
     call of the model (``{"with_aux": True}``: an MoE model's outputs are ``(logits, aux)``, each block's aux
     carried to the last layer). Inside `openhosti_jax.state.context.active_token_axes` (a pipeline stage) the layers
-    are traced again for it, so a layer that combines statistics over the call's rows does so over those axes.
+    are traced again for it, so a layer that combines statistics over the call's rows does so over those axes. A
+    layer given one expert rank's block of its leaves' experts dims (their logical name
+    `openhosti_jax.sharding.rules.EXPERTS`, ``1/X`` of the whole: a stage over an ``expert`` axis of size ``X``)
+    is traced for those shapes, so its mixture-of-experts layers run the experts they are given.
 
     Raises `PipelineError` when the model has no sequence of at least two repeated blocks, when a parameter is
     read by two layers (tied weights), or when a value carried between layers is not a float, nor an integer or
@@ -404,17 +408,28 @@ def split_layers(
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
 
     kwargs = dict(model_kwargs or {})
+    # each leaf's stacked experts dim (its logical name `EXPERTS`): a stage may hold one expert rank's block of it
+    edims = [names.index(EXPERTS) if names and EXPERTS in names else None for names in logical_names(params)]
 
     def forward(p: Any, x: Any) -> Any:
         return parts.apply_fn(p, x, model_state=parts.model_state, **kwargs)
 
-    sample = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), sample_inputs)
-    programs: dict[tuple[int, tuple[str, ...]], _Program] = {}
+    def expert_block(shards: int) -> Any:
+        """The model's parameters with every experts dim ``1/shards`` of the whole (one expert rank's)."""
+        local = [
+            x if e is None else jax.ShapeDtypeStruct((*x.shape[:e], x.shape[e] // shards, *x.shape[e + 1 :]), x.dtype)
+            for x, e in zip(leaves, edims, strict=True)
+        ]
+        return jax.tree.unflatten(treedef, local)
 
-    def program(n: int) -> _Program:
-        key = (n, current_token_axes())  # traced again inside a stage whose batch axes are manual
+    sample = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), sample_inputs)
+    programs: dict[tuple[int, tuple[str, ...], int], _Program] = {}
+
+    def program(n: int, shards: int = 1) -> _Program:
+        key = (n, current_token_axes(), shards)  # traced again inside a stage whose batch axes are manual
         if key not in programs:
-            programs[key] = _cut(forward, params, _resize(sample, n), paths, precision)
+            p = params if shards == 1 else expert_block(shards)
+            programs[key] = _cut(forward, p, _resize(sample, n), paths, precision)
         return programs[key]
 
     n0 = jax.tree.leaves(sample)[0].shape[0]
@@ -431,17 +446,30 @@ def split_layers(
                 return jnp.shape(x)[0] * n0 // ref[0]
         return n0
 
+    def expert_shards(s: int, p: Any) -> int:
+        """How many blocks of its experts layer ``s`` was given one of (1: the whole; a pipeline stage over an
+        ``expert`` axis passes each rank its own experts)."""
+        for x, ref, e in zip(jax.tree.leaves(p), sliced_params[s], layer_edims[s], strict=True):
+            if e is not None and jnp.shape(x)[e] != ref.shape[e]:
+                return ref.shape[e] // jnp.shape(x)[e]
+        return 1
+
     def make_layer(s: int) -> Callable[[Any, Any], Any]:
         def layer(p: Any, carry: Any) -> Any:
-            return program(batch_size(s, carry)).run(s, p, carry)
+            return program(batch_size(s, carry), expert_shards(s, p)).run(s, p, carry)
 
         return layer
 
     owners = {i: (s, k) for s, idx in enumerate(first.layer_params) for k, i in enumerate(idx)}
     sliced = [y for x, n in zip(leaves, first.stacks, strict=True) for y in ([x] if n == 0 else [_row(x)] * n)]
+    sliced_edims = [
+        y for e, n in zip(edims, first.stacks, strict=True) for y in ([e] if n == 0 else [e - 1 if e else None] * n)
+    ]
+    sliced_params = [tuple(sliced[i] for i in idx) for idx in first.layer_params]
+    layer_edims = [tuple(sliced_edims[i] for i in idx) for idx in first.layer_params]
     return LayerSequence(
         [make_layer(s) for s in range(len(first.segments))],
-        [tuple(sliced[i] for i in idx) for idx in first.layer_params],
+        sliced_params,
         tuple(owners[i] for i in range(len(sliced))),
         treedef,
         first.stacks,

@@ -5,7 +5,9 @@ The parameters live packed, as the executor runs them (`openhosti_jax.pipeline.p
 buffer whose row ``(v, d)`` holds chunk ``v * S + d``, sharded over the mesh's ``stage`` axis, so a device keeps
 ``1/S`` of the parameters and, since an elementwise optimizer's state mirrors them, ``1/S`` of its moments. Over a
 ``tensor`` axis of size ``T`` each row is ``T`` slots, one per tensor rank, and every leaf of the state ``1/T`` again
-(each rank its Megatron block of a tensor-split weight). With ``zero_stage`` >= 1 the optimizer state is further
+(each rank its Megatron block of a tensor-split weight). Over an ``expert`` axis of size ``X`` each row is ``X``
+expert slots: a mixture-of-experts layer's experts (and their moments) ``1/X`` per expert rank, the other leaves
+whole on every rank. With ``zero_stage`` >= 1 the optimizer state is further
 sharded over ``fsdp`` inside a stage (and the parameters too at stage 3); the gradient stays stage- (and
 tensor-) sharded. The model's first layers (an embedding) sit on the first stage and its
 last (the head) on the last: nothing is shared between stages.
@@ -44,7 +46,7 @@ from openhosti_jax.errors import PipelineError
 from openhosti_jax.mesh import mesh_sizes
 from openhosti_jax.pipeline.costs import Layer
 from openhosti_jax.pipeline.executor import Batch, pipelined_loss_and_grads
-from openhosti_jax.pipeline.packing import Packing
+from openhosti_jax.pipeline.packing import EXPERT, Packing
 from openhosti_jax.pipeline.partitioner import StagePartition
 from openhosti_jax.pipeline.schedule import Schedule
 from openhosti_jax.pipeline.tensor import TENSOR
@@ -80,19 +82,20 @@ class PipelineState(struct.PyTreeNode):
     """With a ``tensor`` axis: the activations between layers are split over it along the sequence."""
 
 
-def _row_spec(tensor: bool, fsdp: bool) -> P:
-    """The spec of a packed buffer: rows over ``stage``, each row's slots over ``tensor``, each slot over
-    ``fsdp`` (ZeRO inside a stage)."""
-    inner = tuple(a for a, on in ((TENSOR, tensor), ("fsdp", fsdp)) if on)
+def _row_spec(expert: bool, tensor: bool, fsdp: bool) -> P:
+    """The spec of a packed buffer: rows over ``stage``, each row's expert slots over ``expert``, their tensor
+    slots over ``tensor``, each slot over ``fsdp`` (ZeRO inside a stage)."""
+    inner = tuple(a for a, on in ((EXPERT, expert), (TENSOR, tensor), ("fsdp", fsdp)) if on)
     return P(None, "stage", inner if len(inner) > 1 else inner[0] if inner else None)
 
 
 def _specs(state_like: Any, zero_stage: int, sizes: dict[str, int]) -> tuple[P, Any]:
-    """(parameter spec, optimizer-state specs): packed leaves over ``stage`` and ``tensor`` (and ``fsdp`` per the
-    ZeRO stage)."""
+    """(parameter spec, optimizer-state specs): packed leaves over ``stage``, ``expert`` (where the packing has
+    expert slots) and ``tensor`` (and ``fsdp`` per the ZeRO stage)."""
     tensor, fsdp = sizes.get(TENSOR, 1) > 1, sizes.get("fsdp", 1) > 1
-    param_spec = _row_spec(tensor, fsdp and zero_stage >= 3)
-    packed = _row_spec(tensor, fsdp and zero_stage >= 1)
+    expert = state_like.packing.expert > 1
+    param_spec = _row_spec(expert, tensor, fsdp and zero_stage >= 3)
+    packed = _row_spec(expert, tensor, fsdp and zero_stage >= 1)
     shape = state_like.params.shape
     opt_specs = jax.tree.map(lambda x: packed if jnp.shape(x) == shape else P(), state_like.opt_state)
     return param_spec, opt_specs
@@ -121,7 +124,9 @@ def init_pipeline_state(
 ) -> PipelineState:
     """The `PipelineState` of per-layer ``params`` and ``tx``, placed stage-local on ``mesh``. With a ``tensor``
     axis, ``tensor_specs`` (per layer, a `PartitionSpec` per parameter leaf, e.g. from
-    `openhosti_jax.sharding.tensor.base_specs`) say which dim of each leaf is split over it (`Packing`)."""
+    `openhosti_jax.sharding.tensor.base_specs`) say which dim of each leaf is split over it (`Packing`); with an
+    ``expert`` axis, which dim of a leaf holds experts split over it (each expert rank then keeps its experts, their
+    gradients and optimizer state, `openhosti_jax.sharding.rules.expert_specs` names them)."""
     if zero_stage not in (0, 1, 2, 3):
         raise PipelineError(f"zero_stage must be 0-3 (ZeRO inside a stage), found {zero_stage!r}")
     if partition.num_layers != len(params):
@@ -131,7 +136,13 @@ def init_pipeline_state(
         )
     sizes = mesh_sizes(mesh)
     packing = Packing(
-        params, partition, schedule, align=sizes.get("fsdp", 1), tensor=sizes.get(TENSOR, 1), tensor_specs=tensor_specs
+        params,
+        partition,
+        schedule,
+        align=sizes.get("fsdp", 1),
+        tensor=sizes.get(TENSOR, 1),
+        expert=sizes.get(EXPERT, 1),
+        tensor_specs=tensor_specs,
     )
     shapes = tuple(jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), p) for p in params)
 
@@ -170,7 +181,7 @@ def make_pipeline_train_step(
         sequence_parallel=state.sequence_parallel,
     )
     shardings = state_shardings(state, mesh)
-    grad_sharding = NamedSharding(mesh, _row_spec(mesh_sizes(mesh).get(TENSOR, 1) > 1, False))
+    grad_sharding = NamedSharding(mesh, _row_spec(state.packing.expert > 1, mesh_sizes(mesh).get(TENSOR, 1) > 1, False))
 
     def update(state: PipelineState, grads: Any) -> PipelineState:
         updates, opt_state = state.tx.update(grads, state.opt_state, state.params)

@@ -6,7 +6,10 @@ The model's layer sequence is found in it (`openhosti_jax.pipeline.split_layers`
 the exact partitioner (or at the plan's ``stage_boundaries``), and run on the plan's schedule with
 ``num_microbatches`` microbatches. On a mesh with a ``tensor`` axis each stage's layers are split over it by the
 tensor-parallel specs the unpipelined path uses (the plan's parameter specs, else
-`openhosti_jax.sharding.tensor.base_specs`), sequence-parallel where the plan says so. `to_model_state` gives the
+`openhosti_jax.sharding.tensor.base_specs`), sequence-parallel where the plan says so. On a mesh with an ``expert``
+axis each stage's mixture-of-experts weights (leaves with an ``experts`` logical dim) are split over it as the
+unpipelined path splits them (`openhosti_jax.sharding.rules.expert_specs`): each expert rank holds and runs its
+experts, with their gradients and optimizer state. `to_model_state` gives the
 model's own parameter tree and the optimizer state ``tx.init`` makes for it, to continue without a pipeline (or
 save such a checkpoint); `from_model_state` takes them back.
 
@@ -33,11 +36,13 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from openhosti_jax.errors import PipelineError
 from openhosti_jax.mesh import mesh_sizes
 from openhosti_jax.pipeline.costs import layer_costs
 from openhosti_jax.pipeline.executor import Batch
+from openhosti_jax.pipeline.packing import axis_dim
 from openhosti_jax.pipeline.partitioner import StagePartition, evaluate_partition, partition
 from openhosti_jax.pipeline.schedule import make_schedule
 from openhosti_jax.pipeline.split import LayerSequence, split_layers
@@ -48,6 +53,7 @@ from openhosti_jax.planner.propagate import propagate
 from openhosti_jax.policies.precision import precision as resolve_precision
 from openhosti_jax.policies.remat import checkpoint
 from openhosti_jax.sharding.plan import ShardingPlan
+from openhosti_jax.sharding.rules import expert_specs
 from openhosti_jax.sharding.specs import is_spec
 from openhosti_jax.sharding.tensor import base_specs
 from openhosti_jax.state.contracts import MeanLossFn
@@ -80,6 +86,23 @@ def _layer_tensor_specs(plan: ShardingPlan, seq: LayerSequence, params: Any, siz
     given = jax.tree.leaves(plan.param_specs, is_leaf=is_spec)
     flat = given if len(given) == n and all(is_spec(x) for x in given) else base_specs(params, sizes)
     return seq.split_specs(flat)
+
+
+def _with_experts(seq: LayerSequence, specs: list | None, params: Any, sizes: dict[str, int]) -> list:
+    """Each layer's parameter specs inside a stage (``specs``: the tensor-parallel ones, or None) with every stacked
+    experts dim (logical name `openhosti_jax.sharding.rules.EXPERTS`) on ``expert``, as the unpipelined path places
+    them: each expert rank holds its experts, their gradients and optimizer state (`Packing`). Raises
+    `ShardingError` naming each leaf whose experts the axis does not divide."""
+    experts = seq.split_specs(expert_specs(params, sizes))
+    if specs is None:
+        return experts
+
+    def merged(t: P, e: P) -> P:
+        dims = {"expert": axis_dim(e, "expert"), "tensor": tensor_dim(t)}
+        names = [tuple(a for a, k in dims.items() if k == i) for i in range(len(e))]
+        return P(*[n[0] if len(n) == 1 else n or None for n in names])  # both on one dim: Packing refuses it
+
+    return [tuple(map(merged, t, e)) for t, e in zip(specs, experts, strict=True)]
 
 
 def _check_tensor_split(seq: LayerSequence, specs: list, paths: list, sample: Any, tensor: int) -> None:
@@ -136,6 +159,8 @@ def create_pipeline_state(
         specs = _layer_tensor_specs(plan, seq, parts.params, sizes)
         paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(parts.params)[0]]
         _check_tensor_split(seq, specs, seq.split_flat(paths, lambda path, j: f"{path}[{j}]"), one, sizes["tensor"])
+    if sizes.get("expert", 1) > 1:
+        specs = _with_experts(seq, specs, parts.params, sizes)
     params, _ = parts.init(jax.random.key(0) if key is None else key)
     layer_params = seq.split(params)
     schedule = make_schedule(plan.pipeline_schedule, plan.pipeline_stages, plan.num_microbatches, plan.pipeline_virtual)
