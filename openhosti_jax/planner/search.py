@@ -25,7 +25,6 @@ from typing import Any
 
 import jax
 from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
 
 from openhosti_jax.errors import MemoryBudgetError, PlanningError
 from openhosti_jax.mesh.build import mesh_sizes
@@ -258,8 +257,6 @@ def score(
         return Scored(candidate, plan, estimate(plan, work, tx, profile, base, sharded))
     treedef = jax.tree.structure(work.params)
     flat = base_specs(work.params, sizes, rules)
-    if sizes["stage"] > 1 and sizes.get("expert", 1) > 1 and not stack.pipeline_expert_state:
-        flat = [_without(spec, "expert") for spec in flat]  # a stage holds its experts whole over expert
     base = jax.tree.unflatten(treedef, flat)
     tx = optimizer_for(tx, candidate.precision)
     plan = ShardingPlan.from_zero(
@@ -290,18 +287,6 @@ def score(
     if cache is not None:
         cache[key] = (plan, base, sharded, tx)
     return Scored(candidate, plan, estimate(plan, work, tx, profile, base, sharded))
-
-
-def _without(spec: P, axis: str) -> P:
-    """``spec`` with ``axis`` named nowhere (the dims it split kept whole over it)."""
-
-    def drop(entry: Any) -> Any:
-        if isinstance(entry, tuple):
-            rest = tuple(a for a in entry if a != axis)
-            return rest if len(rest) > 1 else rest[0] if rest else None
-        return None if entry == axis else entry
-
-    return P(*map(drop, spec))
 
 
 def pipeline_microbatches(work: Workload, candidate: Candidate) -> int:

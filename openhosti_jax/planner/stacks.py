@@ -85,12 +85,9 @@ class Stack:
     collective matmuls does (`openhosti_jax.state.jit.sequence_context` says why)."""
     pipeline_expert: bool = False
     """Whether a pipeline stage runs its mixture-of-experts layers expert-parallel over an ``expert`` axis (each
-    device routes its share of the batch and runs its slice of the experts, tokens exchanged by all-to-alls per
-    microbatch and MoE layer); False: a pipelined mesh has no expert axis."""
-    pipeline_expert_state: bool = True
-    """With ``pipeline_expert``: whether a stage's expert weights and their optimizer state are split over the
-    ``expert`` axis too; False (this library's executor): each device of a stage holds the stage's parameters
-    whole over ``expert`` (as a data-parallel replica) and slices its experts out when it runs them."""
+    device routes its share of the batch and holds and runs its slice of the experts, their optimizer state split
+    over ``expert`` as the unpipelined path's, tokens exchanged by all-to-alls per microbatch and MoE layer);
+    False: a pipelined mesh has no expert axis."""
     sources: tuple[str, ...] = ()
     """Where the traits come from."""
 
@@ -162,7 +159,6 @@ STACKS: dict[str, Stack] = {
         context_sequence_parallel=False,
         pipeline_context=False,
         pipeline_expert=True,
-        pipeline_expert_state=False,
         sources=(
             "this library on XLA: elementwise ops fused; attention on a GPU in bf16/fp16 is cuDNN's fused flash "
             "kernel (openhosti_jax.models.attention.attention_kernel passes implementation='cudnn' to "
@@ -178,7 +174,7 @@ STACKS: dict[str, Stack] = {
             "pipeline executor (openhosti_jax.pipeline.executor) splits each stage's batch over data / fsdp and its "
             "layers over tensor by the unpipelined path's tensor-parallel specs (tests/test_pipeline_tensor.py); its "
             "mixture-of-experts layers run expert-parallel inside a stage, the batch split over expert too, each "
-            "device holding the stage's experts whole and running its slice (tests/test_pipeline_moe.py)",
+            "expert rank holding only its experts and their optimizer state (tests/test_pipeline_moe.py)",
             *_CUDNN_H100,
         ),
     ),
