@@ -452,7 +452,8 @@ def moe_layer(
     axis, `expert_parallel` with the tokens over the mesh's data-parallel axes that divide the batch and
     ``expert``, and the experts' hidden width over ``tensor`` where it divides; inside a `jax.shard_map` whose manual
     axes `openhosti_jax.state.context.active_token_axes` names (a pipeline stage), `_ep_local` over them (one call
-    routes every shard's rows; experts sliced over ``expert`` when it is one of them); else `moe_forward`.
+    routes every shard's rows; each ``expert`` rank runs its own experts when it is one of them: the weights it is
+    given where they hold ``num_experts / expert``, else its slice of the whole); else `moe_forward`.
 
     >>> import jax, numpy as np
     >>> cfg = MoEConfig(d_model=8, d_ff=16, num_experts=4, top_k=2)
