@@ -22,6 +22,7 @@ from openhosti_jax.planner.profiles import (
     H200_ALL_REDUCE_BUSBW,
     NIC_FRACTION_4_NODES,
     PROFILES,
+    all_to_all_seconds,
     bus_bytes,
 )
 from openhosti_jax.planner.workload import workload
@@ -74,9 +75,10 @@ def test_link_efficiency_returns_the_nccl_tests_bus_bandwidth_shape(name, table)
     nccl-tests' (101.9 us at 1 MiB, 276.6 us at 16 MiB)."""
     p = PROFILES[name]
     top = table[-1][1]
+    before = 0.0  # where a larger payload measured a little faster (latency-bound), it costs what the smaller did
     for size, busbw in table:
-        want = bus_bytes("all_reduce", size, 8) / (p.link_bandwidth["all_reduce"] * busbw / top)
-        assert p.link_seconds("all_reduce", size, 8) == pytest.approx(want, rel=1e-12)
+        before = max(before, bus_bytes("all_reduce", size, 8) / (p.link_bandwidth["all_reduce"] * busbw / top))
+        assert p.link_seconds("all_reduce", size, 8) == pytest.approx(before, rel=1e-12)
     if name == "A100":
         assert p.link_seconds("all_reduce", 2**20, 8) == pytest.approx(101.9e-6, rel=2e-3)
         assert p.link_seconds("all_reduce", 2**24, 8) == pytest.approx(276.6e-6, rel=2e-3)
@@ -136,3 +138,22 @@ def test_a_scanned_transformer_lists_its_gemms_once_per_layer():
     # the MLP's two 64 tokens x 128 x 512 (4h) matmuls in each of 3 layers, of one example's forward matmul FLOPs
     mlp = 64 * 128 * 512
     assert sizes[mlp] == pytest.approx(3 * 2 * 2 * mlp / (w.flops_per_example / 3), rel=1e-9)
+
+
+@pytest.mark.parametrize("name", sorted(PROFILES))
+def test_a_larger_collective_never_costs_less(name):
+    """Inside a host and across hosts, for every kind: the time never falls as the message grows (an efficiency
+    interpolated in log size once made a 64 KiB all-gather on H100 cheaper than a 32 KiB one)."""
+    sizes = sorted([2.0**k for k in range(8, 34)] + [3 * 2.0**k for k in range(8, 33)])
+    p = PROFILES[name]
+    per_host = min(p.devices_per_host, 8)
+    where = Cluster(p, 2, per_host)
+    mesh = {"data": 2 * per_host}
+    for kind in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all"):
+        if kind == "all_to_all":
+            inside = [all_to_all_seconds(p, s, per_host) for s in sizes]
+        else:
+            inside = [p.link_seconds(kind, s, per_host) for s in sizes]
+        across = [where.collective_seconds(kind, s, mesh, ("data",)) for s in sizes]
+        for where_, times in (("in a host", inside), ("across hosts", across)):
+            assert all(b >= a for a, b in zip(times, times[1:], strict=False)), (kind, where_)
