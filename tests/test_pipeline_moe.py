@@ -371,7 +371,8 @@ def test_a_stage_x_expert_plan_prices_its_all_to_alls_per_stage_and_its_experts_
     s, n, k, itemsize = 2, 4, plan.num_microbatches, 4
     b_local = 16 / n
     # per MoE layer and microbatch: dispatch and combine, forward, backward and the backward's recomputed forward
-    message = b_local / k * 32 * cfg.top_k * cfg.d_model * itemsize  # one all-to-all's buffer
+    # one all-to-all's buffer: a row per assignment for each of the n devices (the dropless exchange's fixed size)
+    message = n * b_local / k * 32 * cfg.top_k * cfg.d_model * itemsize
     count = k * 6 * cfg.moe_layers / s  # a stage's layers
     assert e.time["exposed"] == pytest.approx(count * where.collective_seconds("all_to_all", message, plan.mesh_shape,
                                                                                 ("expert",)), rel=1e-12)  # fmt: skip

@@ -2,6 +2,7 @@
 all-to-alls, the expert imbalance, the grouped GEMM's size, the expert-sharded state, and the search's expert
 meshes."""
 
+import dataclasses
 import math
 
 import jax
@@ -15,9 +16,10 @@ from openhosti_jax.flops import count_flops, ragged_dot_flops
 from openhosti_jax.models.llama import Llama, LlamaConfig
 from openhosti_jax.models.presets import model_preset
 from openhosti_jax.planner.cluster import Cluster, cluster
-from openhosti_jax.planner.cost import estimate, expert_all_to_all_bytes, matmul_efficiency
+from openhosti_jax.planner.cost import estimate, expert_all_to_all_bytes, expert_exchange_padding, matmul_efficiency
 from openhosti_jax.planner.profiles import PROFILES, all_to_all_seconds
 from openhosti_jax.planner.search import enumerate_candidates, expert_count, expert_sizes, search
+from openhosti_jax.planner.stacks import STACKS
 from openhosti_jax.planner.workload import workload
 from openhosti_jax.sharding.plan import ShardingPlan
 from openhosti_jax.sizes import tree_bytes
@@ -99,12 +101,27 @@ def test_all_to_all_bytes_of_the_moe_layers_equal_the_closed_form():
     nbytes, count = expert_all_to_all_bytes(work, b_local, itemsize)
     per_layer = b_local * SEQ * cfg.top_k * cfg.d_model * itemsize  # tokens x top_k x d x itemsize
     assert (nbytes, count) == (4 * per_layer * cfg.moe_layers, 4 * cfg.moe_layers)
-    # remat recomputes the block's forward, its two all-to-alls with it: two more per layer, (n-1)/n of each sent
+    # remat recomputes the block's forward, its two all-to-alls with it: two more per layer, (n-1)/n of each sent;
+    # this library's dropless exchange sends each device a row per assignment (n times the rows routed), an exact
+    # one (Megatron-Core's variable-size all-to-all) the rows routed
     mesh = {"data": 2, "expert": n}
-    kept, again = (
-        estimate(plan_for(work, mesh, remat=r), work, optax.adam(1e-3), PROFILES["H100"]) for r in ("none", "full")
-    )
-    assert again.comm_bytes - kept.comm_bytes == pytest.approx(2 * per_layer * cfg.moe_layers * (n - 1) / n)
+    for stack, padding in (("openhosti", n), ("megatron-core", 1)):
+        where = dataclasses.replace(cluster("8xH100"), stack=STACKS[stack])
+        kept, again = (estimate(plan_for(work, mesh, remat=r), work, optax.adam(1e-3), where) for r in ("none", "full"))
+        assert again.comm_bytes - kept.comm_bytes == pytest.approx(
+            2 * per_layer * cfg.moe_layers * (n - 1) / n * padding
+        ), stack
+
+
+def test_a_padded_capacity_exchange_sends_each_expert_a_slot_per_local_token_up_to_the_capacity():
+    """expert_parallel's capacity buffers: experts x min(capacity of the call, local tokens) rows per device, which
+    is min(token shards, experts / (capacity_factor x top_k)) times the slots the call routes per device."""
+    cfg, work = moe_work(capacity_factor=1.25)
+    slots_per_token = math.ceil(1.25 * SEQ * 2 / 4) * 4 / SEQ  # the call's slots over its tokens, per layer
+    for shards in (1, 2, 8):
+        want = min(shards, cfg.num_experts / slots_per_token)
+        assert expert_exchange_padding(work, 4, shards, STACKS["openhosti"]) == pytest.approx(max(1.0, want))
+    assert expert_exchange_padding(work, 4, 8, STACKS["megatron-core"]) == 1.0
 
 
 def test_expert_imbalance_scales_the_routed_share_of_the_compute():

@@ -56,6 +56,7 @@ from jax.sharding import PartitionSpec as P
 from openhosti_jax.errors import PlanningError
 from openhosti_jax.planner.cluster import Cluster
 from openhosti_jax.planner.profiles import DeviceProfile, bus_bytes
+from openhosti_jax.planner.stacks import Stack
 from openhosti_jax.planner.workload import AttentionWork, ExpertWork, PolicyActivations, Workload
 from openhosti_jax.policies.precision import precision
 from openhosti_jax.sharding.plan import ShardingPlan
@@ -587,15 +588,44 @@ def expert_all_to_all_bytes(work: Workload, examples: float, itemsize: int) -> t
     return 4 * examples * e.rows_per_example * e.width * itemsize, 4 * e.layers
 
 
+def expert_exchange_padding(work: Workload, expert: int, shards: int, stack: Stack) -> float:
+    """The bytes an expert-parallel layer's token exchange moves over the rows it routes, on ``stack``
+    (`Stack.padded_expert_exchange`) with an ``expert`` axis of that size and the tokens over ``shards`` devices:
+    1 where only the routed rows move; ``expert`` for a padded dropless exchange (a row per assignment to every
+    device); for a padded capacity one ``min(shards, experts / (capacity_factor x top_k))``: each expert gets a slot
+    for every local token up to the call's capacity, ``capacity_factor x top_k / experts`` of the call's tokens.
+
+    >>> from openhosti_jax.models.presets import model_preset
+    >>> from openhosti_jax.planner.stacks import STACKS
+    >>> from openhosti_jax.planner.workload import workload
+    >>> p = model_preset("mixtral-8x7b", n_layers=1, seq_len=64)
+    >>> work = workload(p.init, p.sample_batch(1))
+    >>> [expert_exchange_padding(work, 8, 64, STACKS[s]) for s in ("openhosti", "megatron-core")]
+    [8.0, 1.0]
+    >>> p = model_preset("mixtral-8x7b", n_layers=1, seq_len=64, capacity_factor=1.25)
+    >>> expert_exchange_padding(workload(p.init, p.sample_batch(1)), 8, 64, STACKS["openhosti"])  # 8 / (1.25 x 2)
+    3.2
+    """
+    e = work.experts()
+    if not stack.padded_expert_exchange or expert <= 1 or not e.rows_per_example:
+        return 1.0
+    if e.grouped:
+        return float(expert)
+    slots_per_token = e.rows_per_example / e.layers / max(work.tokens_per_example, 1)  # capacity_factor x top_k
+    return max(1.0, min(float(shards), e.num_experts / slots_per_token))
+
+
 def _expert_collectives(lay: _Layout, comm: _Collectives) -> None:
     """Add the token all-to-alls of the mixture-of-experts layers to ``comm``, per microbatch and layer (the
     forward's pair again where remat recomputes the block in the backward, and again where a pipeline's backward
-    recomputes its chunk's forward; a stage's devices move their layers' share, `_Collectives.add`)."""
+    recomputes its chunk's forward; a stage's devices move their layers' share, `_Collectives.add`), padded as
+    the stack's exchange is (`expert_exchange_padding`)."""
     nbytes, count = expert_all_to_all_bytes(lay.work, lay.b_local, lay.mp.compute_dtype.itemsize)
     if not count:
         return
     pairs = 2 + (lay.plan.remat != "none") + (lay.stages > 1)  # forward, backward, recomputed forwards
-    nbytes, count = nbytes * pairs / 2, count * pairs / 2
+    padding = expert_exchange_padding(lay.work, lay.expert, lay.dp, lay.cluster.stack)
+    nbytes, count = nbytes * pairs / 2 * padding, count * pairs / 2
     comm.add("all_to_all", nbytes, ("expert",), lay.k * count, what="expert")
 
 

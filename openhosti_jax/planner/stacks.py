@@ -83,6 +83,11 @@ class Stack:
     """Whether a plan that splits sequences over ``context`` can split the blocks' activations along the sequence
     over ``tensor`` too without collective matmuls; False (this library): only a plan whose projections are
     collective matmuls does (`openhosti_jax.state.jit.sequence_context` says why)."""
+    padded_expert_exchange: bool = False
+    """Whether an expert-parallel layer exchanges fixed-size buffers: a dropless layer sends each device a row for
+    every assignment it routes (``expert`` times the rows routed: the worst case, all to one device), a capacity
+    layer each expert a slot for every local token up to the call's capacity; False: only the rows routed move
+    (a variable-size all-to-all: NCCL's, or `jax.lax.ragged_all_to_all`)."""
     pipeline_expert: bool = False
     """Whether a pipeline stage runs its mixture-of-experts layers expert-parallel over an ``expert`` axis (each
     device routes its share of the batch and holds and runs its slice of the experts, their optimizer state split
@@ -158,6 +163,7 @@ STACKS: dict[str, Stack] = {
         collective_matmul=True,
         context_sequence_parallel=False,
         pipeline_context=False,
+        padded_expert_exchange=True,
         pipeline_expert=True,
         sources=(
             "this library on XLA: elementwise ops fused; attention on a GPU in bf16/fp16 is cuDNN's fused flash "
@@ -174,7 +180,9 @@ STACKS: dict[str, Stack] = {
             "pipeline executor (openhosti_jax.pipeline.executor) splits each stage's batch over data / fsdp and its "
             "layers over tensor by the unpipelined path's tensor-parallel specs (tests/test_pipeline_tensor.py); its "
             "mixture-of-experts layers run expert-parallel inside a stage, the batch split over expert too, each "
-            "expert rank holding only its experts and their optimizer state (tests/test_pipeline_moe.py)",
+            "expert rank holding only its experts and their optimizer state (tests/test_pipeline_moe.py); an "
+            "expert-parallel layer exchanges its tokens by jax.lax.all_to_all of fixed-size buffers "
+            "(openhosti_jax.models.moe.expert_parallel: XLA:CPU has no ragged-all-to-all)",
             *_CUDNN_H100,
         ),
     ),

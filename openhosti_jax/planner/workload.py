@@ -212,12 +212,13 @@ class Workload:
                     count = max(count, int(x.shape[list(names).index(EXPERTS)]))
             if not count or self.jaxpr is None:
                 return ExpertWork(count, 0.0, 0.0, 0, 0.0, 0.0)
-            acc = {"rows": 0.0, "layers": 0.0, "width": 0.0, "flops": 0.0, "bytes": 0.0}
+            acc = {"rows": 0.0, "layers": 0.0, "width": 0.0, "flops": 0.0, "bytes": 0.0, "grouped": 0.0}
             n_params = len(jax.tree.leaves(unbox(self.params)))
             _expert_walk(self.jaxpr, 1.0, set(self.jaxpr.invars[n_params:]), set(), acc)
             total = count_flops(self.jaxpr, matmul_only=True)
             share = acc["flops"] / total if total else 0.0
-            return ExpertWork(count, acc["layers"], acc["rows"], int(acc["width"]), share, acc["bytes"])
+            grouped = acc["grouped"] > 0
+            return ExpertWork(count, acc["layers"], acc["rows"], int(acc["width"]), share, acc["bytes"], grouped)
 
         return self.memo(("experts",), walk)
 
@@ -305,6 +306,9 @@ class ExpertWork(NamedTuple):
     dispatch_bytes: float
     """Bytes the dispatch's gathers, scatters and sorts of activations (not of weights: an embedding lookup is no
     dispatch) read and write in the forward: memory traffic a dense MLP has none of."""
+    grouped: bool = False
+    """Dropless: the experts run as grouped matmuls over sorted rows (`jax.lax.ragged_dot`); False: capacity
+    slots, a matmul batched over the experts."""
 
 
 class AttentionWork(NamedTuple):
@@ -436,6 +440,7 @@ def _expert_walk(jaxpr: Any, trips: float, batch: set[Any], derived: set[Any], a
         )
         if grouped or slotted:
             acc["flops"] += (ragged_dot_flops(eqn) if grouped else dot_flops(eqn)) * trips
+            acc["grouped"] += bool(grouped)
             lhs = eqn.invars[0]
             lc = (
                 eqn.params["ragged_dot_dimension_numbers"].dot_dimension_numbers[0][0]
