@@ -25,6 +25,7 @@ from openhosti_jax.mesh.config import AXES
 from openhosti_jax.planner.choose import choose_plan
 from openhosti_jax.planner.cluster import Cluster, cluster
 from openhosti_jax.planner.search import Candidate, hybrid_axes, replicas, score
+from openhosti_jax.planner.stacks import STACKS
 from openhosti_jax.planner.workload import workload
 from openhosti_jax.sharding.plan import ShardingPlan
 
@@ -194,16 +195,17 @@ def predict(
                 f"the mesh {sizes} spans {math.prod(sizes.values())} devices but the cluster has {c.n_devices}; "
                 "give axis sizes whose product is the device count"
             )
-        for axis, splits, lacks in (
-            ("tensor", c.stack.pipeline_tensor, "split only the batch (Stack.pipeline_tensor is False)"),
-            ("context", c.stack.pipeline_context, "do not split sequences (Stack.pipeline_context is False)"),
-            ("expert", c.stack.pipeline_expert, "do not split experts (Stack.pipeline_expert is False)"),
+        for axis, trait, lacks in (
+            ("tensor", "pipeline_tensor", "split only the batch"),
+            ("context", "pipeline_context", "do not split sequences"),
+            ("expert", "pipeline_expert", "do not split experts"),
         ):
-            if sizes["stage"] > 1 and sizes.get(axis, 1) > 1 and not splits:
+            if sizes["stage"] > 1 and sizes.get(axis, 1) > 1 and not getattr(c.stack, trait):
+                able = sorted(name for name, s in STACKS.items() if getattr(s, trait))
                 raise PlanningError(
                     f"the mesh {sizes} pipelines over a {axis} axis, but the {c.stack.name!r} stack's pipeline "
-                    f"stages {lacks}; drop the {axis} axis or the stages, or price another stack's pipeline (e.g. "
-                    "'megatron-core')"
+                    f"stages {lacks} (Stack.{trait} is False); drop the {axis} axis or the stages, or price a stack "
+                    f"whose stages do: {able}"
                 )
         sharded = replicas(sizes) > 1
         stage = (3 if sharded else 0) if zero is None else zero

@@ -150,6 +150,11 @@ def _step_efficiency(forward: float, backward: float, peak: float) -> float:
 
 
 _CUDNN_H100_EFFICIENCY = _step_efficiency(518e12, 499e12, 989e12)
+_MCORE_MOE = (
+    "NVIDIA/Megatron-LM megatron/core/transformer/moe/README.md @ 0b981f9c53: expert parallelism composes with "
+    "pipeline and tensor parallelism (its Mixtral 8x7B mapping: TP1 EP8 PP4 VP8), each rank holding its experts' "
+    "weights, tokens dispatched by a variable-size all-to-all"
+)
 STACKS: dict[str, Stack] = {
     "openhosti": Stack(
         "openhosti",
@@ -207,7 +212,8 @@ STACKS: dict[str, Stack] = {
         causal_skip=True,
         attention_efficiency=_CUDNN_H100_EFFICIENCY,
         tensor_overlap=True,
-        sources=(*_MCORE, *_CUDNN_H100),
+        pipeline_expert=True,
+        sources=(*_MCORE, *_CUDNN_H100, _MCORE_MOE),
     ),
     "torchtitan": Stack(
         "torchtitan",
