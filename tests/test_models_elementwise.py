@@ -79,7 +79,7 @@ def test_a_bf16_moe_block_keeps_three_expert_activations_per_assignment_and_no_f
 
 
 def _llama_grad():
-    cfg = LlamaConfig.tiny(d_model=256, n_heads=4, n_kv_heads=2, ffn=1024, seq_len=64, n_layers=4, dtype="bfloat16")
+    cfg = LlamaConfig.tiny(d_model=128, n_heads=2, n_kv_heads=1, ffn=512, seq_len=32, n_layers=3, dtype="bfloat16")
     g, p = nnx.split(Llama(dataclasses.replace(cfg, scan_layers=True), rngs=nnx.Rngs(0)))
     tokens = jnp.asarray(np.random.default_rng(4).integers(0, cfg.vocab_size, (16, cfg.seq_len)), jnp.int32)
     grad = jax.jit(jax.grad(lambda p: jnp.mean(nnx.merge(g, p)(tokens))))
