@@ -30,12 +30,13 @@ from ``examples/academic_paper_scripts/sc21/run_table_1.sh``). ``<run>_compile_s
 compiled over eager throughput, predicted over published.
 
 The cost model was adjusted while those runs were scored, so they are in-sample. The same table's other six rows
-(3.6B, 7.5B, 39B, 76B, 310B, 530B) were added afterwards and predicted as they came, nothing changed for them: their
-keys start ``unseen_``. So do the two mixtures of experts added with the planner's MoE pricing: Megatron-Core v0.8's
-Mixtral 8x7B on 64 H100 (EP8 x PP4, dropless; TFLOP/s turned into tokens/s with its MoE FLOP count,
-`megatron_core_moe_flops_per_token`) and MaxText's Mixtral 8x7B on a v6e-256 (FSDP, capacity factor 1.25).
+(3.6B, 7.5B, 39B, 76B, 310B, 530B) were added afterwards and predicted as they came: their keys start ``unseen_``.
+So do the two mixtures of experts added with the planner's MoE pricing: Megatron-Core v0.8's Mixtral 8x7B on 64 H100
+(EP8 x PP4, dropless; TFLOP/s turned into tokens/s with its MoE FLOP count, `megatron_core_moe_flops_per_token`) and
+MaxText's Mixtral 8x7B on a v6e-256 (FSDP, capacity factor 1.25). The cost model has changed once since, with them
+in view (the README's table gives their figures from before that change).
 
-    python benchmarks/scale.py        # about three minutes on CPU
+    python benchmarks/scale.py        # about ten minutes on CPU (the quick mode: seven)
 
 Last stdout line: one JSON object.
 """
