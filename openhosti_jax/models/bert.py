@@ -30,7 +30,6 @@ from flax import nnx
 from openhosti_jax.errors import BatchError, ConfigError
 from openhosti_jax.models.attention import query_blocks
 from openhosti_jax.models.checks import dtype_problem, finite_number, positive_ints
-from openhosti_jax.models.elementwise import gelu
 from openhosti_jax.policies.remat import keep
 from openhosti_jax.sharding.rules import LAYER_AXIS
 from openhosti_jax.state.blocks import stack_modules
@@ -262,7 +261,7 @@ class Block(nnx.Module):
         v = keep(self.wv(x)).reshape(heads)
         y = bidirectional_attention(q, k, v, mask, block=cfg.attention_block, dropout=cfg.dropout, rng=r_att)
         x = self.attn_norm(x + _dropout(self.wo(keep(y.reshape(b, s, d))), cfg.dropout, r_attn_out))
-        h = gelu(keep(self.up(x)), approximate=False)  # BERT's GELU is the exact, erf one
+        h = jax.nn.gelu(keep(self.up(x)), approximate=False)  # BERT's GELU is the exact, erf one
         return self.mlp_norm(x + _dropout(self.down(h), cfg.dropout, r_mlp))
 
 

@@ -1,15 +1,16 @@
-"""Activations and norms whose backward keeps only their inputs.
+"""Elementwise pieces whose backward keeps only their inputs.
 
 Reverse-mode autodiff of ``silu(gate) * up`` keeps the sigmoid, its argument and more for the backward: four copies
-of the MLP's widest activation where the two inputs suffice. A norm computed in float32 keeps a float32 copy of its
-input and its normalised output besides. Megatron's fused SwiGLU and Transformer Engine's fused norms keep their
-inputs and recompute the rest in the backward; `recomputed` does the same for any elementwise function, with
-`jax.checkpoint`: its inputs are its only residuals and its elementwise work runs again in the backward (memory
-bound, a few reads of the inputs). XLA's fusion already recomputes some such chains instead of storing them (a
-LayerNorm's in float32: the same compiled bytes either way), not all: a bf16 Llama block's compiled gradient holds
-22% less with `swiglu` and `rms_norm` (``tests/test_models_elementwise.py`` compiles both). The bundled models call
-their activations through these functions, Llama its norm too, so what they hold for the backward, and what the
-planner prices by tracing them, is what fused kernels hold.
+of the MLP's widest activation where the two inputs suffice, and a float32 cast of a bf16 value keeps the float32
+copy. Megatron's fused SwiGLU keeps its inputs and recomputes the rest in the backward; `recomputed` does the same
+for any function of arrays, with `jax.checkpoint`: its inputs are its only residuals and its elementwise work runs
+again in the backward (memory bound, a few reads of the inputs).
+
+The mixture-of-experts block (`openhosti_jax.models.moe`) runs its experts' SwiGLU, its router's float32 logits and
+its float32 combine through them: a Mixtral layer held 121 s*h bytes per sequence for the backward, 65 with them
+(`tests/test_models_elementwise.py` compiles a scanned MoE Llama both ways). The dense models do not: in their
+straight-line parts XLA's fusion already recomputes such chains, which the planner's residual trace does not model,
+so its memory predictions for them (checked against compiled steps within 10%) would drift.
 
 Example:
     >>> import jax, jax.numpy as jnp
@@ -31,7 +32,6 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import jax
-import jax.numpy as jnp
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -46,25 +46,3 @@ def recomputed(fn: F) -> F:
 def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
     """``silu(gate) * up`` (the SwiGLU MLP's hidden activation), keeping ``gate`` and ``up`` for the backward."""
     return jax.nn.silu(gate) * up
-
-
-def gelu(x: jax.Array, approximate: bool = True) -> jax.Array:
-    """`jax.nn.gelu` (``approximate``: the tanh form, else the exact erf one), keeping ``x`` for the backward."""
-    return recomputed(functools.partial(jax.nn.gelu, approximate=approximate))(x)
-
-
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float, dtype: Any) -> jax.Array:
-    """``weight * x / sqrt(mean(x**2) + eps)`` over the last axis, the statistics in float32 and the result in
-    ``dtype``, keeping ``x`` and ``weight`` for the backward (not a float32 copy of ``x`` or the result).
-
-    >>> x = jnp.array([[3.0, 4.0]])
-    >>> [round(v, 4) for v in rms_norm(x, jnp.ones((2,)), 0.0, jnp.float32)[0].tolist()]  # x / sqrt(12.5)
-    [0.8485, 1.1314]
-    """
-
-    def norm(x: jax.Array, weight: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-        return y.astype(dtype) * weight.astype(dtype)
-
-    return recomputed(norm)(x, weight)

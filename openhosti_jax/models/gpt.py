@@ -23,7 +23,6 @@ from openhosti_jax.errors import ConfigError
 from openhosti_jax.models.attention import KERNELS, causal_attention
 from openhosti_jax.models.collective import project_in, project_out
 from openhosti_jax.models.context import STRATEGIES
-from openhosti_jax.models.elementwise import gelu
 from openhosti_jax.policies.remat import keep
 from openhosti_jax.sharding.rules import LAYER_AXIS
 from openhosti_jax.state.blocks import stack_modules
@@ -180,7 +179,7 @@ class Block(nnx.Module):
         y = keep(y.reshape(b, s, a))
         x = x + self._drop(project_out(y, self.proj), r1)
         (h,) = project_in(self.ln2(x), self.fc)
-        return x + self._drop(project_out(gelu(keep(h)), self.out), r2)
+        return x + self._drop(project_out(jax.nn.gelu(keep(h)), self.out), r2)
 
 
 def stacked_blocks(cfg: GPTConfig, rngs: nnx.Rngs) -> Block:

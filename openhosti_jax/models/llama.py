@@ -40,7 +40,6 @@ from openhosti_jax.models.attention import KERNELS, causal_attention
 from openhosti_jax.models.checks import dtype_problem, finite_number, positive_ints
 from openhosti_jax.models.collective import project_in, project_out
 from openhosti_jax.models.context import STRATEGIES
-from openhosti_jax.models.elementwise import rms_norm, swiglu
 from openhosti_jax.models.moe import MoEAux, MoEBlock, MoEConfig, moe_layer
 from openhosti_jax.policies.remat import keep
 from openhosti_jax.sharding.rules import LAYER_AXIS
@@ -330,7 +329,9 @@ class RMSNorm(nnx.Module):
         self.dtype = dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return rms_norm(x, self.weight[...], self.eps, self.dtype)
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return y.astype(self.dtype) * self.weight[...].astype(self.dtype)
 
 
 def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
@@ -400,7 +401,7 @@ class Block(nnx.Module):
             y, aux = moe_layer(self.moe.config(), self.moe.weights(), h)
             return x + y, aux
         gate, up = project_in(h, self.gate, self.up)
-        return x + keep(project_out(swiglu(keep(gate), up), self.down))
+        return x + keep(project_out(jax.nn.silu(keep(gate)) * up, self.down))
 
 
 def stacked_blocks(cfg: LlamaConfig, rngs: nnx.Rngs, *, n: int | None = None, moe: bool = False) -> Block:

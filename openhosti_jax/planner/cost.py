@@ -738,11 +738,10 @@ def _memory_traffic(
     lay: _Layout, acts: _Activations, mem: _Memory, aw: AttentionWork | None, split: float, updated: float
 ) -> float:
     """Bytes the step streams through device memory: every activation written in the forward and read in the
-    backward, and its gradient written and read in the backward (the same bytes: one kernel's output, the next
-    one's input), the recomputed ones once more; the update's parameters and optimizer state; and under an eager
+    backward (the recomputed ones once more), the update's parameters and optimizer state, and under an eager
     stack every elementwise op's inputs and outputs and attention scores written apart."""
     stack, b_local, factor = lay.cluster.stack, lay.b_local, mem.flops_factor
-    act_traffic = 4 * acts.split * b_local * factor
+    act_traffic = 2 * acts.split * b_local * factor
     mem_bytes = act_traffic + 2 * updated + updated + 2 * mem.opt_local
     if stack.fused or aw is None:  # the dispatch's gathers and sorts, forward and (twice) backward, as elementwise
         mem_bytes += 3 * lay.experts.dispatch_bytes * b_local * factor  # (eager: already in elementwise_bytes)
