@@ -29,7 +29,7 @@ from jax.extend.core import Literal
 
 from openhosti_jax.errors import BatchError
 from openhosti_jax.flops import count_flops, dot_flops, matmul_flops, ragged_dot_flops, ragged_groups
-from openhosti_jax.jaxpr_walk import calls, is_remat
+from openhosti_jax.jaxpr_walk import calls, is_remat, nested_jaxprs
 from openhosti_jax.planner.propagate import propagate
 from openhosti_jax.policies.remat import KEEP_NAME, RECOMPUTE_FRACTION
 from openhosti_jax.sharding.rules import EXPERTS, LAYER_AXIS, logical_names, unbox
@@ -492,13 +492,15 @@ def _unkept_projection_flops(jaxpr: Any, inside: bool = False) -> float:
 
 
 def remat_blocks(jaxpr: Any) -> int:
-    """How many checkpointed calls ``jaxpr`` makes: each ``remat`` equation, counted through nested calls by the
-    rule of `openhosti_jax.jaxpr_walk` (times the length of the scans around it; of a ``cond``, the branch the
-    planner prices, the one with the most matmul FLOPs)."""
+    """How many checkpointed blocks ``jaxpr`` calls: each ``remat`` equation with matmuls inside, counted through
+    nested calls by the rule of `openhosti_jax.jaxpr_walk` (times the length of the scans around it; of a
+    ``cond``, the branch the planner prices, the one with the most matmul FLOPs). A checkpointed call without
+    matmuls is an activation or a norm that keeps only its inputs (`openhosti_jax.models.elementwise`), not a
+    block a remat policy recomputes."""
     total = 0
     for eqn in jaxpr.eqns:
         if is_remat(eqn):
-            total += 1
+            total += any(count_flops(j, matmul_only=True) for j in nested_jaxprs(eqn))
             continue
         total += sum(c.trips * remat_blocks(c.jaxpr) for c in calls(eqn, matmul_flops))
     return total
