@@ -45,7 +45,7 @@ from openhosti_jax.errors import PipelineError
 from openhosti_jax.pipeline.partitioner import StagePartition
 from openhosti_jax.pipeline.schedule import Schedule
 from openhosti_jax.pipeline.tensor import TENSOR, tensor_dim
-from openhosti_jax.sharding.specs import is_spec
+from openhosti_jax.sharding.specs import axis_dim, is_spec
 
 EXPERT = "expert"
 """The mesh axis a stage's experts are split over."""
@@ -64,14 +64,6 @@ class _Leaf(NamedTuple):
     """Start of the leaf's part in each tensor slot."""
     length: int
     """Elements of the leaf in each tensor slot."""
-
-
-def axis_dim(spec: P, axis: str) -> int | None:
-    """The dim of ``spec`` that names mesh ``axis`` (alone or in a tuple), or None."""
-    for i, entry in enumerate(spec):
-        if entry == axis or (isinstance(entry, tuple) and axis in entry):
-            return i
-    return None
 
 
 def _local_shape(shape: tuple[int, ...], edim: int | None, expert: int) -> tuple[int, ...]:

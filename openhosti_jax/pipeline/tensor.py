@@ -29,6 +29,8 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec as P
 
+from openhosti_jax.sharding.specs import axis_dim
+
 TENSOR = "tensor"
 """The mesh axis a stage's layers are split over."""
 
@@ -37,10 +39,7 @@ _local = threading.local()
 
 def tensor_dim(spec: P) -> int | None:
     """The dim of ``spec`` that names the ``tensor`` mesh axis, or None."""
-    for i, entry in enumerate(spec):
-        if entry == TENSOR or (isinstance(entry, tuple) and TENSOR in entry):
-            return i
-    return None
+    return axis_dim(spec, TENSOR)
 
 
 @contextlib.contextmanager

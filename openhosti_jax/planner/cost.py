@@ -61,7 +61,7 @@ from openhosti_jax.planner.workload import AttentionWork, ExpertWork, PolicyActi
 from openhosti_jax.policies.precision import precision
 from openhosti_jax.sharding.plan import ShardingPlan
 from openhosti_jax.sharding.rules import LAYER_AXIS, logical_names
-from openhosti_jax.sharding.specs import is_spec, local_shape, spec_axes
+from openhosti_jax.sharding.specs import axis_dim, is_spec, local_shape, spec_axes
 from openhosti_jax.sharding.zero import Optimizer
 from openhosti_jax.sizes import tree_bytes
 
@@ -126,10 +126,6 @@ def _group(spec: P, base: P) -> tuple[str, ...]:
     return tuple(a for a in spec_axes(spec) if a not in spec_axes(base))
 
 
-def _tensor_dim(spec: P) -> int | None:
-    return next((d for d, entry in enumerate(spec) if entry is not None and "tensor" in spec_axes(P(entry))), None)
-
-
 def _tensor_activation_width(shape: tuple[int, ...], spec: P, stacked: bool) -> tuple[int, int]:
     """(width of the activation a tensor-split weight's matmul all-reduces per token, layers it stands for); width 0
     when the weight is not tensor-split. A weight split on its first dim (row-parallel, vocab-parallel embedding)
@@ -137,7 +133,7 @@ def _tensor_activation_width(shape: tuple[int, ...], spec: P, stacked: bool) -> 
     of its input (the first dim) backward. A scanned stack (``stacked``: a leading layers dim) counts per layer."""
     layers = shape[0] if stacked else 1
     dims, entries = (shape[1:], tuple(spec)[1:]) if stacked else (shape, tuple(spec))
-    split = next((d for d, e in enumerate(entries) if e is not None and "tensor" in spec_axes(P(e))), None)
+    split = axis_dim(P(*entries), "tensor")
     if split is None or len(dims) < 2:
         return 0, layers
     return (dims[-1] if split == 0 else dims[0]), layers
@@ -376,7 +372,7 @@ class _Activations(NamedTuple):
 def _activations(lay: _Layout) -> _Activations:
     work = lay.work
     act_per_example, split_share, reshard, cuts = work.tensor_split(
-        tuple(_tensor_dim(bs) for bs in lay.base), lay.t, lay.sequence
+        tuple(axis_dim(bs, "tensor") for bs in lay.base), lay.t, lay.sequence
     )
     split_act = act_per_example  # every activation, after the tensor / sequence split
     if work.activation_bytes_per_example:  # the policy's share of the (tensor-split) activations

@@ -83,6 +83,15 @@ def spec_axes(spec: P) -> tuple[str, ...]:
     return tuple(a for entry in spec for a in _entry_axes(entry))
 
 
+def axis_dim(spec: P, axis: str) -> int | None:
+    """The dim of ``spec`` that names mesh ``axis`` (alone or in a tuple), or None.
+
+    >>> axis_dim(P(None, "tensor"), "tensor"), axis_dim(P(("fsdp", "expert"), None), "expert"), axis_dim(P(), "x")
+    (1, 0, None)
+    """
+    return next((i for i, entry in enumerate(spec) if axis in _entry_axes(entry)), None)
+
+
 def local_shape(shape: Sequence[int], spec: P, sizes: Mapping[str, int]) -> tuple[int, ...]:
     """The per-device block shape of a leaf of ``shape`` placed with ``spec`` (the largest block where a dim does not
     divide evenly)."""

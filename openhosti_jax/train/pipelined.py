@@ -42,7 +42,6 @@ from openhosti_jax.errors import PipelineError
 from openhosti_jax.mesh import mesh_sizes
 from openhosti_jax.pipeline.costs import layer_costs
 from openhosti_jax.pipeline.executor import Batch
-from openhosti_jax.pipeline.packing import axis_dim
 from openhosti_jax.pipeline.partitioner import StagePartition, evaluate_partition, partition
 from openhosti_jax.pipeline.schedule import make_schedule
 from openhosti_jax.pipeline.split import LayerSequence, split_layers
@@ -54,7 +53,7 @@ from openhosti_jax.policies.precision import precision as resolve_precision
 from openhosti_jax.policies.remat import checkpoint
 from openhosti_jax.sharding.plan import ShardingPlan
 from openhosti_jax.sharding.rules import expert_specs
-from openhosti_jax.sharding.specs import is_spec
+from openhosti_jax.sharding.specs import axis_dim, is_spec
 from openhosti_jax.sharding.tensor import base_specs
 from openhosti_jax.state.contracts import MeanLossFn
 from openhosti_jax.state.model import model_parts
