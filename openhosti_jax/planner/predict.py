@@ -210,8 +210,6 @@ def predict(
         sharded = replicas(sizes) > 1
         stage = (3 if sharded else 0) if zero is None else zero
         axes = hybrid_axes(sizes)
-        if sizes["stage"] > 1 and sizes.get("expert", 1) > 1:  # a stage's ZeRO is over fsdp alone
-            axes = ("fsdp",)
         if sequence_parallel is None:
             sequence_parallel = sizes["tensor"] > 1
         candidate = Candidate(

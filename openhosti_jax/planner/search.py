@@ -110,11 +110,16 @@ def replicas(mesh_shape: dict[str, int]) -> int:
 def hybrid_axes(mesh_shape: dict[str, int]) -> tuple[str, ...]:
     """The axes ZeRO shards over on ``mesh_shape``: all of `ZERO_AXES`, or where ``data`` and a sharding axis
     (``fsdp`` or ``expert``) are both > 1, those of ``fsdp`` and ``expert`` that are (hybrid sharding: replicas
-    over ``data``).
+    over ``data``); on a pipelined mesh with an ``expert`` axis, ``fsdp`` (a stage's ZeRO,
+    `openhosti_jax.pipeline.state`).
 
     >>> hybrid_axes({"data": 2, "fsdp": 4}), hybrid_axes({"data": 2, "expert": 8}), hybrid_axes({"fsdp": 8})
     (('fsdp',), ('expert',), ('data', 'fsdp', 'expert'))
+    >>> hybrid_axes({"stage": 2, "fsdp": 2, "expert": 2})
+    ('fsdp',)
     """
+    if mesh_shape.get("stage", 1) > 1 and mesh_shape.get("expert", 1) > 1:
+        return ("fsdp",)
     if mesh_shape.get("data", 1) > 1 and mesh_shape.get("fsdp", 1) * mesh_shape.get("expert", 1) > 1:
         return tuple(a for a in ("fsdp", "expert") if mesh_shape.get(a, 1) > 1)
     return ZERO_AXES
@@ -182,9 +187,9 @@ def enumerate_candidates(
                         if max(expert) > 1:
                             shape = {"stage": s, "data": rest // f, "fsdp": f, "expert": e, "context": c, "tensor": t}
                         stages = [0] if f == 1 and e == 1 else [0, 1, 2, 3] if f == 1 else [1, 2, 3]
+                        if s > 1 and e > 1:  # a stage's ZeRO is over fsdp alone (hybrid_axes)
+                            stages = [0] if f == 1 else [1, 2, 3]
                         axes = hybrid_axes(shape) if e > 1 else ("fsdp",) if rest // f > 1 else ZERO_AXES
-                        if s > 1 and e > 1:  # a stage's ZeRO is over fsdp (openhosti_jax.pipeline.state)
-                            stages, axes = [0] if f == 1 else [1, 2, 3], ("fsdp",)
                         sequence = t > 1 and sequence_parallel  # it only saves memory: the same bytes move
                         out += [
                             Candidate(shape, z, axes, precision=p, sequence_parallel=sequence)
@@ -256,8 +261,7 @@ def score(
         plan = dataclasses.replace(plan, remat=candidate.remat, num_microbatches=microbatches)
         return Scored(candidate, plan, estimate(plan, work, tx, profile, base, sharded))
     treedef = jax.tree.structure(work.params)
-    flat = base_specs(work.params, sizes, rules)
-    base = jax.tree.unflatten(treedef, flat)
+    base = jax.tree.unflatten(treedef, base_specs(work.params, sizes, rules))
     tx = optimizer_for(tx, candidate.precision)
     plan = ShardingPlan.from_zero(
         work.params,
