@@ -384,12 +384,7 @@ def expert_parallel(
             f"expected data axes {missing} in the mesh, found axes {names}; pass data_axis=None to split the "
             "tokens over the expert axis alone"
         )
-    n_ep = int(sizes[expert_axis])
-    if cfg.num_experts % n_ep:
-        raise ShardingError(
-            f"the {expert_axis!r} axis has size {n_ep}, which does not divide num_experts={cfg.num_experts}; use a "
-            f"mesh whose {expert_axis!r} size divides it"
-        )
+    n_ep = _expert_ways(cfg, int(sizes[expert_axis]), expert_axis)
     token_axes = (*data_axes, expert_axis)
     shards = math.prod(int(sizes[a]) for a in token_axes)
     if x.ndim < 2 or x.shape[-1] != cfg.d_model or x.shape[0] % shards:
@@ -422,6 +417,16 @@ def expert_parallel(
         local, mesh=mesh, in_specs=(specs, x_spec), out_specs=(x_spec, aux_spec), axis_names=set(free)
     )(w, x)
     return (jax.reshard(y, NamedSharding(mesh, x_placed)) if explicit else y), aux
+
+
+def _expert_ways(cfg: MoEConfig, n_ep: int, expert_axis: str) -> int:
+    """``n_ep``, the devices the experts split over, if it divides ``num_experts``; else `ShardingError`."""
+    if cfg.num_experts % n_ep:
+        raise ShardingError(
+            f"the {expert_axis!r} axis has size {n_ep}, which does not divide num_experts={cfg.num_experts}; use a "
+            f"mesh whose {expert_axis!r} size divides it"
+        )
+    return n_ep
 
 
 def _splits_hidden(cfg: MoEConfig, sizes: dict[str, int], tensor_axis: str | None) -> bool:
@@ -493,12 +498,7 @@ def _manual_call(
     it is given when they hold ``num_experts / expert`` of them, as a stage whose state splits them over ``expert``
     passes them, else its slice of the whole), capacity and aux statistics over all the axes' rows, as
     `moe_forward` on the whole call."""
-    n_ep = int(sizes.get(EXPERT_AXIS, 1)) if EXPERT_AXIS in token_axes else 1
-    if cfg.num_experts % n_ep:
-        raise ShardingError(
-            f"the {EXPERT_AXIS!r} axis has size {n_ep}, which does not divide num_experts={cfg.num_experts}; use a "
-            f"mesh whose {EXPERT_AXIS!r} size divides it"
-        )
+    n_ep = _expert_ways(cfg, int(sizes.get(EXPERT_AXIS, 1)) if EXPERT_AXIS in token_axes else 1, EXPERT_AXIS)
     if n_ep > 1:
         e_local = cfg.num_experts // n_ep
         held = {n: int(v.shape[0]) for n, v in w.items() if n in _EXPERT_WEIGHTS}
