@@ -232,6 +232,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
         pipeline=not args.no_pipeline,
         model_flops_per_token=model.flops_per_token,
         memory_budget=None if args.memory_budget is None else int(args.memory_budget * 2**30),
+        compile=args.compile,
+        step_fn=_preset_step(model) if args.compile else None,
     )
     if args.json:
         print(json.dumps({"model": model.name, "global_batch": examples, **result.as_dict()}))
@@ -240,6 +242,17 @@ def cmd_predict(args: argparse.Namespace) -> int:
         print(f"{'global batch':<20} {examples} examples ({examples * seq:,} positions)")
         print(result)
     return EXIT_OK
+
+
+def _preset_step(model: Any) -> Callable[..., Any] | None:
+    """The library's own training step for a preset: next-token prediction for a language model (with the MoE
+    layers' auxiliary loss for a mixture of experts), None (the planner's default step) for the others."""
+    cfg = model.config
+    if hasattr(cfg, "sample_batch") or not (hasattr(cfg, "vocab_size") and hasattr(cfg, "n_layers")):
+        return None  # a batch of more than tokens (BERT's fine-tuning batch), or no language model
+    if getattr(cfg, "num_experts", 0):
+        return _import("openhosti_jax.demo.examples", "moe_step")
+    return _import("openhosti_jax.demo.examples", "token_train_step")
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -393,6 +406,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pr.add_argument("--no-pipeline", action="store_true", help="do not consider pipelined meshes")
     pr.add_argument("--memory-budget", type=float, default=None, help="GiB per device (default: the device's)")
+    pr.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile the plan ahead of time for a TPU cluster (v5p-128, 2xv5p-256; needs the tpu extra, no TPU) and "
+        "report compiled beside predicted bytes; a GPU cluster stays a forecast",
+    )
     pr.add_argument("--json", action="store_true", help="print one JSON object")
     pr.set_defaults(handler=cmd_predict)
 

@@ -123,3 +123,13 @@ __all__ = [
     "MissingDataError",
     "UsageError",
 ]
+
+
+class MissingExtraError(UnsupportedError):
+    """An optional extra the call needs is not installed (libtpu for a TPU target, a framework for its door); the
+    message names the ``pip install`` that adds it."""
+
+
+class CompileError(OpenhostiError, RuntimeError):
+    """The compiler rejected a program for a reason other than memory: the message keeps the compiler's own words
+    and names the plan (candidate) it was compiling."""

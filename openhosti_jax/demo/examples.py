@@ -17,6 +17,7 @@ import optax
 from flax import nnx
 
 from openhosti_jax.errors import PlanningError
+from openhosti_jax.microbatch.train_step import make_train_step
 from openhosti_jax.models.gpt import GPT, GPTConfig, next_token_loss
 from openhosti_jax.models.llama import moe_loss
 from openhosti_jax.models.moe import moe_metrics
@@ -40,6 +41,18 @@ def gpt_step(state: Any, tokens: jax.Array) -> tuple[Any, Any]:
 
     value, grads = jax.value_and_grad(loss)(state.params)
     return state.apply_gradients(grads=grads), {"loss": value}
+
+
+def token_train_step(state: Any, tokens: jax.Array) -> tuple[Any, Any]:
+    """The library's own training step on a batch of token sequences, as `openhosti_jax.make_train_step` builds it
+    (accumulating over the microbatches the plan runs): the mean next-token loss of the model's logits. What
+    ``openhosti predict --compile`` compiles for a language-model preset."""
+
+    def loss_sum(params: Any, batch: jax.Array, rng: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+        del rng
+        return next_token_loss(state.apply_fn(params, batch, model_state=state.model_state), batch)
+
+    return make_train_step(loss_sum)(state, tokens)
 
 
 def moe_step(state: Any, tokens: jax.Array) -> tuple[Any, Any]:

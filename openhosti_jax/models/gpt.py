@@ -23,6 +23,7 @@ from openhosti_jax.errors import ConfigError
 from openhosti_jax.models.attention import KERNELS, causal_attention
 from openhosti_jax.models.collective import project_in, project_out
 from openhosti_jax.models.context import STRATEGIES
+from openhosti_jax.models.placement import constrain_activation, constrain_logits, lookup
 from openhosti_jax.policies.remat import keep
 from openhosti_jax.sharding.rules import LAYER_AXIS
 from openhosti_jax.state.blocks import stack_modules
@@ -215,7 +216,7 @@ class GPT(nnx.Module):
 
     def __call__(self, tokens: jax.Array, rng: jax.Array | None = None) -> jax.Array:
         s = tokens.shape[1]
-        x = self.wte(tokens) + self.wpe(jnp.arange(s))[None]
+        x = constrain_activation(lookup(self.wte, tokens) + self.wpe(jnp.arange(s))[None])
         n = self.cfg.n_layers
         if self.cfg.scan_layers:
             x = (
@@ -227,7 +228,7 @@ class GPT(nnx.Module):
             rngs = jax.random.split(rng, n) if rng is not None else [None] * n
             for block, r in zip(self.blocks, rngs, strict=True):
                 x = block(x, r)
-        return self.head(self.ln_f(x)).astype(jnp.float32)
+        return constrain_logits(self.head(self.ln_f(x)).astype(jnp.float32))
 
 
 def next_token_loss(logits: jax.Array, tokens: jax.Array, mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:

@@ -41,6 +41,7 @@ from openhosti_jax.models.checks import dtype_problem, finite_number, positive_i
 from openhosti_jax.models.collective import project_in, project_out
 from openhosti_jax.models.context import STRATEGIES
 from openhosti_jax.models.moe import MoEAux, MoEBlock, MoEConfig, moe_layer
+from openhosti_jax.models.placement import constrain_logits, lookup
 from openhosti_jax.policies.remat import keep
 from openhosti_jax.sharding.rules import LAYER_AXIS
 from openhosti_jax.state.blocks import stack_modules
@@ -480,7 +481,7 @@ class Llama(nnx.Module):
         if s > self.cfg.seq_len:
             raise StateError(f"expected at most seq_len={self.cfg.seq_len} tokens per sequence, found {s}")
         cos, sin = rope_tables(s, self.cfg.head_dim, self.cfg.rope_theta)
-        x = self.embed(tokens)
+        x = lookup(self.embed, tokens)
         auxes: list[MoEAux] = []
         if self.cfg.scan_layers and self.cfg.num_experts:
             if hasattr(self, "dense_blocks"):
@@ -496,7 +497,7 @@ class Llama(nnx.Module):
                     x, aux = x
                     auxes.append(jax.tree.map(lambda v: v[None], aux))
         x = self.norm(x)
-        logits = (self.embed.attend(x) if self.head is None else self.head(x)).astype(jnp.float32)
+        logits = constrain_logits((self.embed.attend(x) if self.head is None else self.head(x)).astype(jnp.float32))
         if not with_aux:
             return logits
         aux = jax.tree.map(lambda *v: jnp.concatenate(v), *auxes) if auxes else None

@@ -22,6 +22,8 @@ import optax
 from openhosti_jax.errors import PlanningError
 from openhosti_jax.mesh.build import build_mesh
 from openhosti_jax.mesh.config import MeshConfig
+from openhosti_jax.mesh.topology import is_tpu_target, tpu_target
+from openhosti_jax.planner.aot import FORECAST, CompiledCheck, chip_bytes, target_compiler
 from openhosti_jax.planner.calibrate import device_profile as resolve_profile
 from openhosti_jax.planner.cluster import Cluster
 from openhosti_jax.planner.cluster import cluster as resolve_cluster
@@ -73,6 +75,7 @@ def choose_plan(
     precision: str | Sequence[str] = "fp32",
     cluster: Cluster | str | None = None,
     accumulate: bool | None = None,
+    compile: bool = False,
 ) -> tuple[ShardingPlan, PlanReport]:
     """(plan, report): the best `ShardingPlan` for training ``init_fn_or_model`` with ``optimizer`` on ``devices``.
 
@@ -98,8 +101,11 @@ def choose_plan(
     if not isinstance(refine, int) or refine < 0:
         raise PlanningError(f"refine must be an int >= 0 (candidates to time), found {refine!r}; use 0 to skip")
     work = workload(init_fn_or_model, sample_batch, apply_fn=apply_fn)
+    target = None
     if cluster is not None:
         where = resolve_cluster(cluster)
+        if compile and is_tpu_target(cluster):
+            target = tpu_target(cluster)
         if device_profile is not None:
             chosen = PROFILES[device_profile] if isinstance(device_profile, str) else device_profile
             where = dataclasses.replace(where, profile=chosen)
@@ -142,10 +148,10 @@ def choose_plan(
     ranked = rank(scored, budget)
     notes = list(why(ranked, scored, budget))
     notes.append(f"device profile: {profile.name}; memory budget: {source}")
-    if isinstance(where, Cluster):
+    if isinstance(where, Cluster) and target is None:
         notes.append(
-            f"cluster: {where.hosts} host(s) x {where.devices_per_host} {profile.name}, not attached: predicted, "
-            "not compiled"
+            f"cluster: {where.hosts} host(s) x {where.devices_per_host} {profile.name}, not attached: "
+            + (f"{FORECAST} (a GPU target compiles only where its GPUs are attached)" if compile else FORECAST)
         )
     if work.apply_fn is None:
         notes.append("no apply function: activations and FLOPs unknown, chosen on state memory and traffic")
@@ -167,7 +173,31 @@ def choose_plan(
             f"refined: timed the top {len(top)} predicted, picked {by_time[0][1].candidate.label}; measured "
             + ", ".join(f"{s.candidate.label} {t * 1e3:.2f} ms" for t, s in by_time),
         )
-    if can_compile:
+    if target is not None:
+        checks: list[CompiledCheck] = []
+        known = {id(s.plan): s for s in ranked}
+        variants = variants_of(work, optimizer, where, remats, accumulates, rules=rules)
+
+        def expand(s: Any) -> Any:
+            more = variants(s)
+            known.update({id(v.plan): v for v in more})
+            return more
+
+        def describe(plan: ShardingPlan) -> tuple[str, float]:
+            s = known.get(id(plan))
+            return ("", 0.0) if s is None else (s.candidate.label, float(s.estimate.bytes))
+
+        compiled_on = target_compiler(work, optimizer, step_fn or default_step, target, checks, describe)
+        chip = chip_bytes(target)  # what the compiler holds a program to, whatever budget the search was given
+        held = chip if budget is None or chip is None else min(budget, chip)
+        winner, compiled, verified = first_that_compiles_within(ranked, compiled_on, held, expand)
+        notes += verified
+        notes += [
+            f"{c.candidate}: compiled for {c.target} ({c.status}): {_gib(c.compiled_bytes)} per device, predicted "
+            f"{_gib(c.predicted_bytes)}"
+            for c in checks
+        ]
+    elif can_compile:
 
         def compiled_bytes(candidate: ShardingPlan) -> int | None:
             mesh = build_mesh(MeshConfig.from_sizes(dict(candidate.mesh_shape)), devices)
@@ -177,3 +207,7 @@ def choose_plan(
         winner, compiled, verified = first_that_compiles_within(ranked, compiled_bytes, budget, expand)
         notes += verified
     return winner.plan, report_for(winner, ranked, notes, work, compiled)
+
+
+def _gib(nbytes: float | None) -> str:
+    return "unknown" if nbytes is None else f"{nbytes / 2**30:.2f} GiB"

@@ -28,8 +28,9 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 
-from openhosti_jax.errors import PlanningError
+from openhosti_jax.errors import MeshConfigError, PlanningError
 from openhosti_jax.mesh.config import AXES
+from openhosti_jax.mesh.topology import TpuTarget, is_tpu_target, tpu_target
 from openhosti_jax.planner.profiles import PROFILES, DeviceProfile, all_to_all_seconds, bus_bytes, curve_seconds
 from openhosti_jax.planner.stacks import STACKS, Stack
 
@@ -116,11 +117,7 @@ def _factors(per_host: int, sizes: tuple[int, ...]) -> tuple[tuple[str, tuple[in
     return tuple((a, out[a]) for a in AXES)
 
 
-_TPU_CORES_PER_CHIP = {"v4": 2, "v5p": 2, "v5e": 1, "v6e": 1}
-_TPU_NAMES = {"v4": "TPU v4", "v5p": "TPU v5p", "v5e": "TPU v5e", "v6e": "TPU v6e"}
-
-
-def cluster(spec: str | Cluster, profiles: Mapping[str, DeviceProfile] = PROFILES) -> Cluster:
+def cluster(spec: str | Cluster | TpuTarget, profiles: Mapping[str, DeviceProfile] = PROFILES) -> Cluster:
     """A `Cluster` from ``"NxKIND"`` (``"8xH100"``: N devices, in hosts of the profile's ``devices_per_host``),
     ``"HxDxKIND"`` (``"2x8xH100"``: H hosts of D) or a TPU slice name (``"v5p-128"``, ``"v4-64"``: TensorCores;
     ``"v5e-256"``, ``"v6e-64"``: chips), optionally several slices (``"2xv5p-128"``). A TPU slice is one ICI
@@ -128,13 +125,13 @@ def cluster(spec: str | Cluster, profiles: Mapping[str, DeviceProfile] = PROFILE
     if isinstance(spec, Cluster):
         return spec
     names = {k.lower().replace(" ", ""): k for k in profiles}
-    tpu = re.fullmatch(r"(?:(\d+)x)?(v4|v5p|v5e|v6e)-(\d+)", spec.strip().lower())
+    if isinstance(spec, TpuTarget) or is_tpu_target(spec):
+        try:
+            t = tpu_target(spec)
+        except MeshConfigError as e:
+            raise PlanningError(str(e)) from e
+        return Cluster(profiles[t.profile_name], t.slices, t.chips)
     gpu = re.fullmatch(r"(?:(\d+)x)?(\d+)x([A-Za-z0-9 ]+)", spec.strip())
-    if tpu:
-        chips = int(tpu[3]) // _TPU_CORES_PER_CHIP[tpu[2]]
-        if chips < 1:
-            raise PlanningError(f"{spec!r}: a {tpu[2]} slice needs at least {_TPU_CORES_PER_CHIP[tpu[2]]} cores")
-        return Cluster(profiles[_TPU_NAMES[tpu[2]]], int(tpu[1] or 1), chips)
     if gpu and gpu[3].lower().replace(" ", "") in names:
         profile = profiles[names[gpu[3].lower().replace(" ", "")]]
         if gpu[1]:

@@ -22,12 +22,16 @@ import optax
 
 from openhosti_jax.errors import PlanningError
 from openhosti_jax.mesh.config import AXES
+from openhosti_jax.mesh.topology import is_tpu_target, tpu_target
+from openhosti_jax.planner.aot import FORECAST, CompiledCheck, compile_on_target
 from openhosti_jax.planner.choose import choose_plan
 from openhosti_jax.planner.cluster import Cluster, cluster
 from openhosti_jax.planner.search import Candidate, hybrid_axes, replicas, score
 from openhosti_jax.planner.stacks import STACKS
+from openhosti_jax.planner.verify import default_step
 from openhosti_jax.planner.workload import workload
 from openhosti_jax.sharding.plan import ShardingPlan
+from openhosti_jax.state.contracts import StepFn
 
 GiB = 2**30
 
@@ -51,6 +55,8 @@ class Prediction:
     """Seconds per step by part (compute, memory, collectives, ...)."""
     memory: Mapping[str, float]
     """Bytes per device by part (state, batch, temporaries)."""
+    compiled: CompiledCheck | None = None
+    """The plan compiled for the target (``compile=True`` on a TPU target), else None: a forecast."""
 
     @property
     def devices(self) -> int:
@@ -69,8 +75,20 @@ class Prediction:
 
     @property
     def fits(self) -> bool:
-        """Whether the predicted memory is within the budget (no budget: True)."""
+        """Whether the plan fits: the compiler's word where it was compiled (a program it refuses never fits),
+        else the predicted memory within the budget (no budget: True)."""
+        if self.compiled is not None and self.compiled.fits is not None:
+            return bool(self.compiled.fits) and (
+                self.memory_budget is None
+                or self.compiled.compiled_bytes is None
+                or self.compiled.compiled_bytes <= self.memory_budget
+            )
         return self.memory_budget is None or self.memory_bytes <= self.memory_budget
+
+    @property
+    def verified(self) -> str:
+        """How the memory figure was checked: ``"compiled for TARGET"``, or `FORECAST`."""
+        return f"compiled for {self.compiled.target}" if self.compiled and self.compiled.fits is not None else FORECAST
 
     def as_dict(self) -> dict[str, Any]:
         """The prediction as JSON-ready data."""
@@ -91,6 +109,11 @@ class Prediction:
             "memory_gib": self.memory_bytes / GiB,
             "memory_budget_gib": None if self.memory_budget is None else self.memory_budget / GiB,
             "fits": self.fits,
+            "verified": self.verified,
+            "compiled_gib": None
+            if self.compiled is None or self.compiled.compiled_bytes is None
+            else self.compiled.compiled_bytes / GiB,
+            "predicted_over_compiled": None if self.compiled is None else self.compiled.predicted_over_compiled,
             "time": dict(self.time),
             "memory_parts_gib": {k: v / GiB for k, v in self.memory.items()},
         }
@@ -110,7 +133,14 @@ class Prediction:
             ("step time", f"{d['step_seconds'] * 1e3:.1f} ms"),
             ("tokens/s per device", f"{d['tokens_per_second_per_device']:,.0f}"),
             ("MFU", f"{100 * d['mfu']:.1f}%"),
-            ("memory per device", f"{d['memory_gib']:.2f} GiB of {budget} GiB" + ("" if self.fits else " (too much)")),
+            (
+                "memory per device",
+                f"{d['memory_gib']:.2f} GiB of {budget} GiB predicted" + ("" if self.fits else " (too much)"),
+            ),
+            (
+                "checked",
+                self.verified + ("" if d["compiled_gib"] is None else f": {d['compiled_gib']:.2f} GiB compiled"),
+            ),
             ("time parts", ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in d["time"].items() if k != "total")),
         ]
         return "\n".join(f"{k:<20} {v}" for k, v in rows)
@@ -147,6 +177,8 @@ def predict(
     pipeline: bool = True,
     model_flops_per_token: float | None = None,
     memory_budget: int | None = None,
+    compile: bool = False,
+    step_fn: StepFn | None = None,
 ) -> Prediction:
     """The `Prediction` for training ``model`` (an nnx module, linen module or init function, built abstractly:
     nothing is allocated) with ``optimizer`` on a global batch shaped like ``sample_batch`` over ``where`` (a
@@ -167,8 +199,14 @@ def predict(
     (a fixed configuration's; default: where the mesh has a tensor axis, as the planner does). A pipelined mesh
     with a tensor axis needs a stack whose stages split over it (`Stack.pipeline_tensor`), else `PlanningError`.
     ``model_flops_per_token``: the model's training FLOPs per token for the utilisation (default: the traced matmul
-    FLOPs)."""
+    FLOPs). ``compile`` (a TPU target: ``"v5p-128"``): the plan is compiled ahead of time for it
+    (`openhosti_jax.planner.aot`; libtpu needed, no TPU): `Prediction.compiled` holds the compiler's bytes and
+    verdict, and `Prediction.fits` follows the compiler; planned (no ``mesh``), the ranked candidates are compiled
+    until one fits. A GPU cluster cannot be compiled here: the prediction says "forecast, not compiled".
+    ``step_fn(state, batch)`` is the step compiled (default: the mean output as the loss)."""
     c = cluster(where)
+    target = tpu_target(where) if compile and not isinstance(where, Cluster) and is_tpu_target(where) else None
+    checked: CompiledCheck | None = None
     tx = optimizer
     work = workload(model, sample_batch)
     tokens = work.global_batch * max(work.tokens_per_example, 1)
@@ -185,8 +223,19 @@ def predict(
             precision=precision or "auto",
             memory_budget=budget,
             accumulate=True,
+            compile=compile,
+            step_fn=step_fn,
         )
         parts = report.predicted_parts or {}
+        if compile and target is not None:
+            checked = CompiledCheck(
+                target.name,
+                _label(plan),
+                float(report.predicted_bytes or 0),
+                report.compiled_bytes,
+                budget,
+                None if report.compiled_bytes is None else report.compiled_bytes <= (budget or report.compiled_bytes),
+            )
         seconds, nbytes = float(report.predicted_seconds or 0.0), float(report.predicted_bytes or 0)
     else:
         sizes = parse_mesh(mesh) if isinstance(mesh, str) else {**dict.fromkeys(AXES, 1), **dict(mesh)}
@@ -218,6 +267,31 @@ def predict(
         scored = score(work, tx, candidate, c)
         plan, parts = scored.plan, {"time": scored.estimate.time, "memory": scored.estimate.memory}
         seconds, nbytes = scored.estimate.seconds, float(scored.estimate.bytes)
+        if compile and target is not None:
+            checked = compile_on_target(
+                plan,
+                work,
+                tx,
+                step_fn or default_step,
+                target,
+                predicted_bytes=nbytes,
+                candidate=candidate.label,
+                budget=budget,
+            )
     return Prediction(
-        plan, c, seconds, int(tokens), float(flops), nbytes, budget, parts.get("time", {}), parts.get("memory", {})
+        plan,
+        c,
+        seconds,
+        int(tokens),
+        float(flops),
+        nbytes,
+        budget,
+        parts.get("time", {}),
+        parts.get("memory", {}),
+        checked,
     )
+
+
+def _label(plan: ShardingPlan) -> str:
+    mesh = " ".join(f"{a}={n}" for a, n in plan.mesh_shape.items() if n > 1) or "1 device"
+    return f"{mesh} zero{plan.zero_stage} remat={plan.remat} {plan.precision} microbatches={plan.num_microbatches}"

@@ -82,7 +82,7 @@ class Stack:
     context_sequence_parallel: bool = True
     """Whether a plan that splits sequences over ``context`` can split the blocks' activations along the sequence
     over ``tensor`` too without collective matmuls; False (this library): only a plan whose projections are
-    collective matmuls does (`openhosti_jax.state.jit.sequence_context` says why)."""
+    collective matmuls does (`openhosti_jax.state.jit.activation_context` says why)."""
     padded_expert_exchange: bool = False
     """Whether an expert-parallel layer exchanges fixed-size buffers: a dropless layer sends each device a row for
     every assignment it routes (``expert`` times the rows routed: the worst case, all to one device), a capacity

@@ -32,7 +32,7 @@ from flax.nnx import graph
 
 from openhosti_jax.policies.remat import check_remat, checkpoint, jax_policy
 from openhosti_jax.sharding.rules import LAYER_AXIS, logical_names
-from openhosti_jax.state.context import constrain_sequence
+from openhosti_jax.state.context import constrain_activation
 
 
 def _children(module: nnx.Module) -> Iterator[tuple[Any, Any]]:
@@ -123,10 +123,10 @@ def _sequence_class(cls: type) -> type:
     base_call = cls.__call__
 
     def __call__(self: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
-        out = base_call(self, constrain_sequence(x), *args, **kwargs)
+        out = base_call(self, constrain_activation(x), *args, **kwargs)
         if isinstance(out, tuple) and out:
-            return (constrain_sequence(out[0]), *out[1:])
-        return constrain_sequence(out)
+            return (constrain_activation(out[0]), *out[1:])
+        return constrain_activation(out)
 
     return type(
         cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__, "__qualname__": cls.__qualname__}
@@ -135,7 +135,7 @@ def _sequence_class(cls: type) -> type:
 
 def sequence_nnx(module: nnx.Module) -> int:
     """Make every repeated block of ``module`` (in place: call it on a copy) take and return its activations split
-    along the sequence where a plan asks (`openhosti_jax.state.context.constrain_sequence`); return the count."""
+    along the sequence where a plan asks (`openhosti_jax.state.context.constrain_activation`); return the count."""
     blocks = nnx_blocks(module)
     for _, block in blocks:
         block.__class__ = _sequence_class(type(block))
@@ -187,13 +187,13 @@ def remat_linen(block_paths: set[tuple[str, ...]], name: str) -> Iterator[None]:
 @contextlib.contextmanager
 def sequence_linen(block_paths: set[tuple[str, ...]]) -> Iterator[None]:
     """Within the block, linen modules at ``block_paths`` take and return their activations split along the
-    sequence where a plan asks (`openhosti_jax.state.context.constrain_sequence`)."""
+    sequence where a plan asks (`openhosti_jax.state.context.constrain_activation`)."""
 
     def interceptor(next_fun: Any, args: Any, kwargs: Any, context: Any) -> Any:
         if context.method_name != "__call__" or tuple(context.module.path) not in block_paths or not args:
             return next_fun(*args, **kwargs)
-        out = next_fun(constrain_sequence(args[0]), *args[1:], **kwargs)
-        return (constrain_sequence(out[0]), *out[1:]) if isinstance(out, tuple) and out else constrain_sequence(out)
+        out = next_fun(constrain_activation(args[0]), *args[1:], **kwargs)
+        return (constrain_activation(out[0]), *out[1:]) if isinstance(out, tuple) and out else constrain_activation(out)
 
     with linen.intercept_methods(interceptor):
         yield

@@ -43,51 +43,116 @@ def constrain_gradients(grads: Any) -> Any:
     return jax.lax.with_sharding_constraint(grads, shardings)
 
 
-def active_sequence_sharding(
-    mesh: Any, batch_axes: Any, axis: str = "tensor", collective: bool = False
+def active_activation_sharding(
+    mesh: Any, batch_axes: Any, axis: Any = None, collective: bool = False, tensor: str | None = None
 ) -> contextlib.AbstractContextManager[None]:
-    """Within the block, `constrain_sequence` splits an activation's batch dim over ``batch_axes`` and its sequence
-    dim (the second) over ``axis`` of ``mesh`` (an axis, or a tuple: ``("context", "tensor")``): a plan's sequence
-    parallelism (`ShardingPlan.sequence_parallel`);
-    ``collective``: the blocks' projections run as collective matmuls (`collective_matmul_mesh`)."""
-    return _setting("sequence_sharding", (mesh, batch_axes, axis, collective))
+    """Within the block, `constrain_activation` splits an activation's batch dim over ``batch_axes`` and its
+    sequence dim (the second) over ``axis`` of ``mesh`` (None: whole; an axis; or a tuple: ``("context",
+    "tensor")``), as the plan's batch spec and sequence parallelism (`ShardingPlan.sequence_parallel`) say;
+    `constrain_logits` splits a model's output over the batch axes and its last dim over ``tensor`` (the axis the
+    output head's vocabulary is split over, or None); ``collective``: the blocks' tensor-parallel projections run as
+    collective matmuls (`collective_matmul_mesh`).
+
+    Placing the activations between blocks (and the embedding's output and the logits) is what makes a ZeRO-3
+    step gather its weights for each use: left to itself XLA's partitioner may keep a weight sharded and gather the
+    activations of the whole global batch instead (seen compiling Llama-3 8B for 64 TPU v5p chips: its embedding
+    lookup and output head ran on every sequence of the batch on every chip)."""
+    return _setting("activation_sharding", (mesh, batch_axes, axis, collective, tensor))
 
 
 def collective_matmul_mesh() -> tuple[Any, Any, str | None] | None:
     """``(mesh, batch_axes, context_axis)`` where the enclosing step asks its blocks' tensor-parallel projections to
     run as collective matmuls (`ShardingPlan.collective_matmul`; ``context_axis``: the axis that splits the
     sequence outside ``tensor``, or None), else None."""
-    active = getattr(_local, "sequence_sharding", None)
+    active = getattr(_local, "activation_sharding", None)
     if active is None or not active[3]:
         return None
     axis = active[2]
     return active[0], active[1], axis[0] if isinstance(axis, tuple) and len(axis) > 1 else None
 
 
-def sequence_sharded() -> bool:
-    """Whether the enclosing step splits activations along the sequence (`active_sequence_sharding`)."""
-    return getattr(_local, "sequence_sharding", None) is not None
+def activations_sharded() -> bool:
+    """Whether the enclosing step places the activations between blocks (`active_activation_sharding`)."""
+    return getattr(_local, "activation_sharding", None) is not None
 
 
-def constrain_sequence(x: Any) -> Any:
-    """``x`` split over the batch and sequence axes set by `active_sequence_sharding` (unchanged outside one, and
-    for values that are not arrays of rank >= 3 whose batch and sequence dims the axes divide)."""
-    active = getattr(_local, "sequence_sharding", None)
+def sequence_split() -> bool:
+    """Whether the enclosing step splits the activations between blocks along the sequence over ``tensor``
+    (sequence parallelism)."""
+    active = getattr(_local, "activation_sharding", None)
+    axis = None if active is None else active[2]
+    return "tensor" in (axis if isinstance(axis, tuple) else (axis,))
+
+
+def vocab_axis() -> str | None:
+    """The mesh axis the enclosing step splits a vocabulary over (its tensor axis), else None."""
+    active = getattr(_local, "activation_sharding", None)
+    return None if active is None else active[4]
+
+
+def _ways(shape: dict[str, int], axes: Any) -> int:
+    ways = 1
+    for name in axes if isinstance(axes, tuple) else (axes,) if axes else ():
+        ways *= shape.get(name, 1)
+    return ways
+
+
+def _constrain(x: Any, mesh: Any, entries: tuple[Any, ...]) -> Any:
+    """``x`` constrained to ``P(*entries, None, ...)`` on ``mesh`` where every entry's axes divide its dim; ``x``
+    unchanged inside a `jax.shard_map` (its axes are manual there) and for non-arrays."""
+    if not isinstance(x, jax.Array) or x.ndim < len(entries):
+        return x
+    if jax.sharding.get_abstract_mesh().manual_axes:
+        return x
+    shape = dict(mesh.shape)
+    if any(d % _ways(shape, e) for d, e in zip(x.shape, entries, strict=False)):
+        return x
+    spec = jax.sharding.PartitionSpec(*entries, *([None] * (x.ndim - len(entries))))
+    return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, spec))
+
+
+def constrain_activation(x: Any) -> Any:
+    """``x`` (batch, sequence, ...) split over the batch and sequence axes set by `active_activation_sharding`
+    (unchanged outside one, for values that are not arrays of rank >= 3, and where the axes do not divide)."""
+    active = getattr(_local, "activation_sharding", None)
     if active is None or not isinstance(x, jax.Array) or x.ndim < 3:
         return x
-    mesh, batch_axes, axis, _ = active
-    shape = dict(mesh.shape)
-    names = batch_axes if isinstance(batch_axes, tuple) else (batch_axes,) if batch_axes else ()
-    ways = 1
-    for name in names:
-        ways *= shape.get(name, 1)
-    seq = 1
-    for name in axis if isinstance(axis, tuple) else (axis,):
-        seq *= shape.get(name, 1)
-    if x.shape[0] % ways or x.shape[1] % seq:
+    mesh, batch_axes, axis, _, _ = active
+    return _constrain(x, mesh, (batch_axes, axis))
+
+
+def constrain_logits(x: Any) -> Any:
+    """A model's output ``x`` (batch, sequence, ..., classes) split over the batch axes (and the sequence over
+    ``context`` where the batch spec splits it) and its last dim over the vocabulary's tensor axis set by
+    `active_activation_sharding`; unchanged outside one."""
+    active = getattr(_local, "activation_sharding", None)
+    if active is None or not isinstance(x, jax.Array) or x.ndim < 2:
         return x
-    spec = jax.sharding.PartitionSpec(batch_axes, axis, *([None] * (x.ndim - 2)))
-    return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, spec))
+    mesh, batch_axes, axis, _, tensor = active
+    seq = tuple(a for a in (axis if isinstance(axis, tuple) else (axis,)) if a and a != "tensor") or None
+    seq = seq[0] if seq and len(seq) == 1 else seq
+    if x.ndim == 2:
+        return _constrain(x, mesh, (batch_axes, tensor))
+    entries = (batch_axes, seq, *([None] * (x.ndim - 3)), tensor)
+    return _constrain(x, mesh, entries)
+
+
+def gathered(x: Any, spec: Any = None) -> Any:
+    """A parameter as a ZeRO-3 step uses it: gathered over the batch axes (its tensor-parallel split ``spec``
+    kept, default whole), where `active_activation_sharding` is active; unchanged outside one. A lookup table
+    gathered before the lookup keeps the lookup on each device's own tokens (a table split along the rows it is
+    indexed by makes XLA gather every token of the batch to every device)."""
+    active = getattr(_local, "activation_sharding", None)
+    if active is None:
+        return x
+    entries = tuple(spec) if spec is not None else ()
+    return _constrain(x, active[0], entries) if entries else _replicated(x, active[0])
+
+
+def _replicated(x: Any, mesh: Any) -> Any:
+    if not isinstance(x, jax.Array) or jax.sharding.get_abstract_mesh().manual_axes:
+        return x
+    return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
 
 
 def active_token_axes(axes: tuple[str, ...]) -> contextlib.AbstractContextManager[None]:

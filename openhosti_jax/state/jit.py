@@ -3,8 +3,8 @@
 `jit_step` places the state and batch by the plan, donates the state, and makes the plan's gradient shardings and
 microbatch count active while the step is traced (so `TrainState.apply_gradients` reduce-scatters under ZeRO-2/3
 and `make_train_step` accumulates). ``@spmd``, the planner's AOT verification and its measured refinement all
-compile through it. Per-device bytes = arguments + outputs + temporaries - aliased (donated) bytes; a backend that
-reports all zeros gives ``None`` (unknown), never 0.
+compile through it. Per-device bytes = arguments + outputs + temporaries - aliased (donated) bytes (on TPU the
+compiler's peak); a backend that reports all zeros gives ``None`` (unknown), never 0.
 
 Example:
     >>> import jax, jax.numpy as jnp
@@ -29,10 +29,10 @@ from openhosti_jax.errors import StateError, StepOutputError
 from openhosti_jax.policies.precision import precision
 from openhosti_jax.sharding.plan import ShardingPlan
 from openhosti_jax.state.context import (
+    active_activation_sharding,
     active_gradient_shardings,
     active_microbatches,
     active_policies,
-    active_sequence_sharding,
     guarding_updates,
 )
 from openhosti_jax.state.contracts import StepFn
@@ -78,7 +78,7 @@ def jit_step(
             active_microbatches(k) as count,
             active_policies(plan.remat, plan.precision) as policies,
             guarding_updates() if guarded else contextlib.nullcontext() as update_guard,
-            sequence_context(plan, mesh),
+            activation_context(plan, mesh),
         ):
             out = fn(s, b)
         if precision(plan.precision).loss_scaling and not policies.loss_scaled:
@@ -118,25 +118,32 @@ def jit_step(
     return jitted, state_sh
 
 
-def sequence_context(plan: ShardingPlan, mesh: Mesh) -> contextlib.AbstractContextManager[None]:
-    """Where ``plan`` is sequence parallel over a ``tensor`` axis of ``mesh``, the context in which the model's
-    repeated blocks take and return activations split along the sequence over it (and run their projections as
-    collective matmuls where the plan asks); else nothing.
+def activation_context(plan: ShardingPlan, mesh: Mesh) -> contextlib.AbstractContextManager[None]:
+    """The context in which the model's repeated blocks take and return activations placed as ``plan``'s batch
+    spec says (batch over its batch axes, the sequence over ``context`` where it splits it), the embedding's output
+    and the logits too (`openhosti_jax.state.context.active_activation_sharding`); where ``plan`` is sequence
+    parallel over a ``tensor`` axis of ``mesh``, split along the sequence over it as well (and run their
+    projections as collective matmuls where the plan asks). Nothing on a single device.
 
-    Where the plan also splits the batch's sequence over ``context`` (its batch spec has a second entry), only with
-    collective matmuls, which split the sequence over ``(context, tensor)``: with XLA's partitioner computing the
-    projections instead, it miscompiles (jax 0.10.2) a weight gradient between the two splits:
-    ``einsum("bsa,bsd->ad")`` of operands placed ``(fsdp, context, tensor)`` and ``(fsdp, context+tensor, -)``
-    into ``(fsdp, -)`` comes out wrong. A collective matmul computes it per device inside `jax.shard_map`.
+    Where the plan also splits the batch's sequence over ``context`` (its batch spec has a second entry), sequence
+    parallelism only with collective matmuls, which split the sequence over ``(context, tensor)``: with XLA's
+    partitioner computing the projections instead, it miscompiles (jax 0.10.2) a weight gradient between the two
+    splits: ``einsum("bsa,bsd->ad")`` of operands placed ``(fsdp, context, tensor)`` and ``(fsdp, context+tensor,
+    -)`` into ``(fsdp, -)`` comes out wrong. A collective matmul computes it per device inside `jax.shard_map`.
     """
     spec = tuple(plan.batch_spec)
-    if not plan.sequence_parallel or dict(mesh.shape).get("tensor", 1) < 2:
+    sizes = dict(mesh.shape)
+    if mesh.size <= 1:
         return contextlib.nullcontext()
-    if len(spec) > 1:
-        if not plan.collective_matmul or spec[1] is None:
-            return contextlib.nullcontext()
-        return active_sequence_sharding(mesh, spec[0], (spec[1], "tensor"), True)
-    return active_sequence_sharding(mesh, spec[0] if spec else None, "tensor", plan.collective_matmul)
+    batch_axes = spec[0] if spec else None
+    seq = spec[1] if len(spec) > 1 else None
+    tensor = "tensor" if sizes.get("tensor", 1) > 1 else None
+    if plan.sequence_parallel and tensor:
+        if seq is None:
+            return active_activation_sharding(mesh, batch_axes, "tensor", plan.collective_matmul, tensor)
+        if plan.collective_matmul:
+            return active_activation_sharding(mesh, batch_axes, (seq, "tensor"), True, tensor)
+    return active_activation_sharding(mesh, batch_axes, seq, False, tensor)
 
 
 def jit_eval(
@@ -147,7 +154,7 @@ def jit_eval(
     state_sh = plan.shardings(mesh, state_specs(plan, state, layout))
 
     def traced(s: Any, b: Any) -> Any:
-        with active_policies(plan.remat, plan.precision), sequence_context(plan, mesh):
+        with active_policies(plan.remat, plan.precision), activation_context(plan, mesh):
             return fn(s, b)
 
     return jax.jit(
@@ -223,10 +230,22 @@ def footprint_bytes(stats: dict[str, int]) -> int:
     return stats["argument"] + stats["temp"] + stats["output"] - stats["alias"]
 
 
+def compiled_platform(compiled: jax.stages.Compiled) -> str | None:
+    """The platform (``"cpu"``, ``"gpu"``, ``"tpu"``) a compiled program's inputs live on (None without inputs)."""
+    for sharding in jax.tree.leaves(compiled.input_shardings):
+        devices = getattr(sharding, "device_set", None)
+        if devices:
+            return next(iter(devices)).platform
+    return None
+
+
 def memory_bytes(compiled: jax.stages.Compiled) -> int | None:
-    """Per-device footprint bytes of a compiled program (None when the backend does not report them)."""
+    """Per-device bytes of a compiled program (None when the backend does not report them): on TPU the compiler's
+    own peak (``peak_memory_in_bytes``, what XLA:TPU holds a program to against the chip's HBM: its
+    ``temp_size_in_bytes`` counts buffers that are never live together), elsewhere the buffer assignment's
+    footprint (`footprint_bytes`)."""
     stats = memory_stats(compiled)
     if stats is None:
         return None
-    total = footprint_bytes(stats)
+    total = stats["peak"] if stats["peak"] and compiled_platform(compiled) == "tpu" else footprint_bytes(stats)
     return total if total > 0 else None

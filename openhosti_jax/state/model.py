@@ -41,7 +41,7 @@ from openhosti_jax.state.blocks import (
     sequence_linen,
     sequence_nnx,
 )
-from openhosti_jax.state.context import blocks_marked, current_policies, sequence_sharded
+from openhosti_jax.state.context import activations_sharded, blocks_marked, current_policies
 from openhosti_jax.state.contracts import ApplyFn
 
 
@@ -71,7 +71,7 @@ def nnx_apply_fn(graphdef: Any) -> ApplyFn:
             _set_compute_dtype(module, mp)
             if remat_nnx(module, policies.remat) == 0:
                 call = checkpoint(module.__call__, policies.remat)
-            if sequence_sharded():
+            if activations_sharded():
                 sequence_nnx(module)
             args, kwargs = mp.cast_to_compute((args, kwargs))
         out = mp.cast_output(call(*args, **kwargs))
@@ -110,7 +110,7 @@ def policy_apply_fn(apply_fn: ApplyFn, block_paths: set[tuple[str, ...]] | None 
                 stack.enter_context(mark_linen(block_paths))
             if block_paths:
                 stack.enter_context(remat_linen(block_paths, remat))
-                if sequence_sharded():
+                if activations_sharded():
                     stack.enter_context(sequence_linen(block_paths))
             else:
                 call = checkpoint(apply_fn, remat)

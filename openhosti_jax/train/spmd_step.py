@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -37,8 +37,12 @@ from jax.sharding import Mesh
 
 from openhosti_jax.errors import BatchError, StateError, StepOutputError
 from openhosti_jax.mesh.barrier import agree
-from openhosti_jax.mesh.build import build_mesh
+from openhosti_jax.mesh.build import build_mesh, mesh_sizes
+from openhosti_jax.mesh.config import AXES
+from openhosti_jax.mesh.topology import target_mesh, tpu_target
 from openhosti_jax.microbatch import OOMRetryStep, find_microbatch
+from openhosti_jax.planner.aot import CompiledCheck, compile_check, lower_for
+from openhosti_jax.planner.predict import parse_mesh
 from openhosti_jax.sharding.batch import place_batch
 from openhosti_jax.sharding.plan import ShardingPlan
 from openhosti_jax.sharding.report import PlanReport
@@ -218,6 +222,44 @@ class SpmdStep:
         fn, _ = self._compiled_fn(state, batch, num_microbatches)
         with jax.set_mesh(self.mesh):
             return fn.lower(state, batch)
+
+    def compile_for(
+        self, target: Any, state: Any, batch: Any, *, mesh: Mapping[str, int] | str | None = None
+    ) -> CompiledCheck:
+        """This step compiled ahead of time for a TPU target that is not attached (``"v5p-128"``, ``"2xv5p-256"``,
+        `openhosti_jax.mesh.topology`; libtpu needed, no TPU) on ``state`` and ``batch`` (arrays or
+        `jax.ShapeDtypeStruct`, the global batch): planned there as this step plans (its strategy, or ``"auto"``:
+        the planner verifies its choice by compiling for the target), over ``mesh`` (axis sizes, ``"fsdp=64"``;
+        default: this step's mesh shape where the target has as many devices, else every chip on ``fsdp``, on
+        ``data`` for ``plan="dp"``). Returns the `openhosti_jax.planner.aot.CompiledCheck`: the compiler's peak
+        bytes per device beside the prediction, and whether it fits the chip. Nothing runs and nothing is
+        allocated; this step's own plan and compiled programs are untouched."""
+        t = tpu_target(target)
+        if mesh is None and self.mesh is not None and self.mesh.size == t.n_devices:
+            sizes = mesh_sizes(self.mesh)
+        elif mesh is None:
+            sizes = {"data" if self._strategy in ("dp", 0) else "fsdp": t.n_devices}
+        else:
+            sizes = parse_mesh(mesh) if isinstance(mesh, str) else dict(mesh)
+        there = SpmdStep(
+            self.fn,
+            target_mesh(t, sizes, AXES),
+            self._strategy,
+            self.donate,
+            None,
+            self.memory_budget,
+            self._plan_kw,
+            self._paths["params"],
+            self._paths["opt_state"],
+            self.skip_nonfinite,
+        )
+        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x)), (state, batch))
+        there._where = self._where
+        label = f"{' '.join(f'{a}={n}' for a, n in sizes.items() if n > 1)} ({there._strategy or 'auto'})"
+        lowered = lower_for(lambda: there.lower(*shapes), t, label)
+        label = f"{label} zero{there.plan.zero_stage}"
+        predicted = float(there.report.predicted_bytes or 0) if there.report is not None else 0.0
+        return compile_check(lowered, t, label, predicted_bytes=predicted)
 
     def evaluator(self, fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
         """``fn(state, batch) -> metrics`` (an eval step) jitted under this step's plan and mesh, without donation;
