@@ -42,6 +42,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as _sk
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as _sm
 
@@ -89,6 +90,17 @@ def block_size(seq_len: int) -> int:
         f"the splash attention kernel needs a sequence length that is a multiple of {LANES}, found {seq_len}; "
         "pad the sequence or use attention_kernel='auto' (XLA's attention for such a length) or 'xla'"
     )
+
+
+def causal_block_fraction(seq_len: int) -> float:
+    """The fraction of the ``(query block, key block)`` pairs of a sequence of ``seq_len`` that the causal kernel
+    computes, read from its block mask: the blocks on and below the diagonal, ``(n + 1) / 2n`` of ``n x n``.
+
+    >>> causal_block_fraction(8192)  # 16 x 16 blocks of 512
+    0.53125
+    """
+    mask = np.asarray(_kernel(1, seq_len, seq_len, True, 1, True, False).fwd_mask_info.block_mask)
+    return float(np.count_nonzero(mask) / mask.size)
 
 
 def _kernel(
