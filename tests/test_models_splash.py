@@ -81,21 +81,28 @@ def test_a_blocks_log_sum_exp_has_a_gradient(causal):
         s = jnp.where(jnp.tril(jnp.ones((128, 128), bool))[None, :, None, None] | (not causal), s, -jnp.inf)
         return jax.nn.logsumexp(s, axis=-1), None, jnp.einsum("bqngk,bknd->bqngd", jax.nn.softmax(s, -1), v)
 
-    got = jax.grad(lambda *a: loss(splash_stats(*a, causal, 0.125, interpret=True)), argnums=(0, 1, 2))
-    want = jax.grad(lambda *a: loss(ref(*a)), argnums=(0, 1, 2))
+    got = jax.jit(jax.grad(lambda *a: loss(splash_stats(*a, causal, 0.125, interpret=True)), argnums=(0, 1, 2)))
+    want = jax.jit(jax.grad(lambda *a: loss(ref(*a)), argnums=(0, 1, 2)))
     assert _max_rel(got(grouped, k, v), want(grouped, k, v)) <= 1e-5
 
 
 @pytest.mark.parametrize(
-    ("sizes", "strategy"),
-    [({"data": 2, "context": 2}, "ring"), ({"context": 2, "tensor": 4}, "all_gather")],
+    ("sizes", "strategy", "axis_type"),
+    [
+        ({"data": 2, "context": 2}, "ring", "auto"),
+        ({"context": 2, "tensor": 4}, "all_gather", "auto"),
+        ({"data": 2, "context": 2}, "all_gather", "explicit"),
+        ({"data": 2, "tensor": 2}, "ring", "explicit"),  # no context axis: the kernel alone inside shard_map
+    ],
 )
-def test_context_blocks_by_the_kernel_equal_a_float32_softmax(sizes, strategy):
+def test_under_a_mesh_the_kernel_equals_a_float32_softmax(sizes, strategy, axis_type):
     """Under a context axis the ring's blocks (online softmax merged through their log-sum-exp) and the
     all-gather strategy's queries over the gathered keys (its block mask split over the axis) run the kernel; the
-    tensor axis splitting more ways than there are kv heads repeats them."""
+    tensor axis splitting more ways than there are kv heads repeats them; Explicit axes have their inputs resharded
+    into the kernel's layout (its block mask too)."""
     q, k, v, ct = _inputs("float32", s=512)
-    mesh = build_mesh(MeshConfig.from_sizes(sizes), jax.devices()[: int(np.prod(list(sizes.values())))])
+    config = MeshConfig.from_sizes(sizes, axis_type=axis_type)
+    mesh = build_mesh(config, jax.devices()[: int(np.prod(list(sizes.values())))])
     fn = jax.jit(
         lambda *a: _out_and_grads(lambda *x: causal_attention(*x, context_strategy=strategy, kernel="splash"), *a)
     )
