@@ -1,5 +1,6 @@
 """The attention kernel each backend really has: cuDNN's fused attention on a GPU in half precision (jax's own
-``implementation=None`` is XLA's everywhere), XLA's elsewhere, and a typed error for a kernel a backend lacks."""
+``implementation=None`` is XLA's everywhere), the Pallas splash kernel on a TPU (tests/test_models_splash.py), XLA's
+elsewhere, and a typed error for a kernel a backend lacks."""
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +20,7 @@ from openhosti_jax.models.llama import Llama, LlamaConfig
         ("auto", jnp.float16, 64, "gpu", "cudnn"),
         ("auto", jnp.float32, 128, "gpu", "xla"),  # cuDNN's flash kernel is half precision only
         ("auto", jnp.bfloat16, 256, "gpu", "xla"),  # a head dim it does not take
-        ("auto", jnp.bfloat16, 128, "tpu", "xla"),
+        ("auto", jnp.bfloat16, 128, "tpu", "splash"),  # the Pallas kernel (tests/test_models_splash.py)
         ("auto", jnp.bfloat16, 128, "cpu", "xla"),
         ("xla", jnp.bfloat16, 128, "gpu", "xla"),
         ("cudnn", jnp.bfloat16, 128, "gpu", "cudnn"),

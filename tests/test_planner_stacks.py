@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -234,3 +235,30 @@ def test_the_own_stack_prices_cudnn_attention_only_where_it_runs():
     assert compute(own, H100, "bf16") != compute(plain, H100, "bf16")
     assert compute(own, H100, "fp32") == compute(plain, H100, "fp32")
     assert compute(own, PROFILES["A100"], "bf16") == compute(plain, PROFILES["A100"], "bf16")
+
+
+def test_the_own_stack_prices_the_splash_kernel_on_every_tpu():
+    """On a TPU the library's attention is the Pallas splash kernel in bf16 and fp32 alike (tests/test_models_splash.py
+    reads it from the program lowered for a v5p mesh): attention's masked half skipped at the device's matmul rate,
+    no scores in memory, the H100 cuDNN rate not applied; switched off, the same step is priced as XLA's blocks. The
+    kernel's own block mask skips what the price skips: causal at 8192 tokens in blocks of 512 it computes
+    (n + 1) / 2n of the n x n blocks (n = 16), the half the price assumes and the diagonal."""
+    from openhosti_jax.models.splash import causal_block_fraction
+
+    w = _gpt()
+    a = w.attention_work()
+    own = STACKS["openhosti"]
+    assert set(own.splash_on) == {k for k in PROFILES if k.startswith("TPU")}
+    v5p = PROFILES["TPU v5p"]
+    flops = w.flops_per_example * 2  # 16 examples over data=8
+    eff = functools.partial(matmul_efficiency, w, v5p, 2, 1, 0)
+    for precision in ("bf16", "fp32"):
+        c = Candidate(_mesh(data=8), 0, remat="none", precision=precision)
+        t = score(w, optax.adam(1e-3), c, Cluster(v5p, 1, 8, own)).estimate.time
+        xla = score(w, optax.adam(1e-3), c, Cluster(v5p, 1, 8, dataclasses.replace(own, splash_on=()))).estimate.time
+        projections = flops * (1 - a.attention_share) / (v5p.peak_flops * eff(False))
+        attention = flops * a.attention_share * 0.5 / (v5p.peak_flops * eff(True))
+        assert t["compute"] == pytest.approx(projections + attention)
+        assert xla["compute"] == pytest.approx(flops / (v5p.peak_flops * eff(None)))
+        assert t["memory"] == xla["memory"] and t["compute"] < xla["compute"]
+    assert causal_block_fraction(8192) == 17 / 32 and causal_block_fraction(1024) == 3 / 4  # 16 and 2 blocks

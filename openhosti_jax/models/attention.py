@@ -4,8 +4,10 @@ the sequence length, not its square (what flash attention achieves with a fused 
 `jax.checkpoint`).
 
 `causal_attention` is the models' one entry: the sequence split over a ``context`` mesh axis
-(`openhosti_jax.models.context`) where the ambient mesh has one, else `query_blocks` where a block size is given,
-else `jax.nn.dot_product_attention`.
+(`openhosti_jax.models.context`) where the ambient mesh has one, else a fused kernel where the platform of the mesh
+in use has one for the shape (`attention_kernel`: cuDNN's on a GPU, the Pallas splash kernel on a TPU,
+`openhosti_jax.models.splash`), else `query_blocks` where a block size is given, else
+`jax.nn.dot_product_attention`.
 
 Example:
     >>> import jax, jax.numpy as jnp
@@ -20,13 +22,15 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
 from openhosti_jax.errors import ConfigError
-from openhosti_jax.models.context import Strategy, context_attention, context_size
+from openhosti_jax.models.context import Strategy, context_attention, context_size, over_mesh
+from openhosti_jax.models.splash import BLOCKS, DTYPES, LANES, MAX_HEAD_DIM, splash_attention, splash_problem
 
 
 def causal_mask(first: jax.Array | int, queries: int, keys: int) -> jax.Array:
@@ -50,37 +54,79 @@ def query_blocks(attend: Callable[[jax.Array, jax.Array], jax.Array], q: jax.Arr
     return jnp.moveaxis(out, 0, 1).reshape(*q.shape[:2], *out.shape[3:])
 
 
-KERNELS = ("auto", "xla", "cudnn")
-"""Attention kernels a model may ask for: ``"auto"`` (the fused one the backend has, else XLA's), ``"xla"``,
-``"cudnn"`` (cuDNN's fused flash attention: GPU, half precision)."""
+KERNELS = ("auto", "xla", "cudnn", "splash")
+"""Attention kernels a model may ask for: ``"auto"`` (the fused one the backend has for the shape, else XLA's),
+``"xla"``, ``"cudnn"`` (cuDNN's fused flash attention: GPU, half precision), ``"splash"`` (the Pallas splash
+kernel, `openhosti_jax.models.splash`: TPU; on CPU it runs in Pallas's interpreter, for tests)."""
 
 
-def attention_kernel(kernel: str, dtype: jnp.dtype, head_dim: int, backend: str | None = None) -> str:
-    """The kernel ``"xla"`` or ``"cudnn"`` that attention of ``dtype`` and ``head_dim`` runs on ``backend`` (default:
-    JAX's) for a request of ``kernel`` (`KERNELS`). ``"auto"`` takes cuDNN's fused attention on a GPU in bf16 or
-    fp16 with a head dim it supports (a multiple of 8, at most 128), since jax's own default
-    (``implementation=None``) is XLA's on every backend; a TPU runs XLA's (a Pallas splash kernel is not wired here).
-    A kernel the backend does not have is a `ConfigError`.
+def mesh_platform(mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None) -> str:
+    """The platform (``"cpu"``, ``"gpu"``, ``"tpu"``) of the devices of ``mesh`` (default: the ambient mesh set by
+    `jax.set_mesh`), else of JAX's default backend. A CPU process that lowers a step for an abstract TPU topology
+    (`jax.experimental.topologies`) has ``"cpu"`` as its default backend and ``"tpu"`` here, so the kernel chosen is
+    the one the compiled program runs, whichever process traces it.
+
+    >>> mesh_platform()  # no ambient mesh: the default backend
+    'cpu'
+    """
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+    if isinstance(mesh, jax.sharding.Mesh):
+        return str(mesh.devices.flat[0].platform)
+    device = None if mesh.empty else getattr(mesh, "abstract_device", None)
+    return str(device.platform) if device is not None else jax.default_backend()
+
+
+def attention_kernel(
+    kernel: str,
+    dtype: jnp.dtype,
+    head_dim: int,
+    backend: str | None = None,
+    seq_len: int | None = None,
+    pieces: int = 1,
+) -> str:
+    """The kernel ``"xla"``, ``"cudnn"`` or ``"splash"`` that attention of ``dtype`` and ``head_dim`` over sequences
+    of ``seq_len`` (None: any), each cut into ``pieces`` for a context axis, runs on ``backend`` (default:
+    `mesh_platform`) for a request of ``kernel`` (`KERNELS`). ``"auto"`` takes cuDNN's fused attention on a GPU in
+    bf16 or fp16 with a head dim it supports (a multiple of 8, at most 128), since jax's own default
+    (``implementation=None``) is XLA's on every backend, and the splash kernel on a TPU where it takes the shape
+    (`openhosti_jax.models.splash.splash_problem`: bf16 or fp32, sequences or pieces that are multiples of 128, a
+    head dim of at most 512); else XLA's (query blocks where the model sets ``attention_block``). A kernel the
+    backend or the shape does not allow is a `ConfigError`.
 
     >>> import jax.numpy as jnp
     >>> attention_kernel("auto", jnp.bfloat16, 128, "gpu"), attention_kernel("auto", jnp.float32, 128, "gpu")
     ('cudnn', 'xla')
+    >>> attention_kernel("auto", jnp.bfloat16, 128, "tpu", 8192), attention_kernel("auto", jnp.float16, 128, "tpu")
+    ('splash', 'xla')
     >>> attention_kernel("auto", jnp.bfloat16, 128, "cpu")
     'xla'
     """
-    backend = backend or jax.default_backend()
+    if kernel not in KERNELS:
+        raise ConfigError(f"attention_kernel={kernel!r}: expected one of {KERNELS}")
+    backend = backend or mesh_platform()
     half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
     supported = backend == "gpu" and half and head_dim % 8 == 0 and head_dim <= 128
+    piece = None if seq_len is None else seq_len // pieces
+    problem = splash_problem(piece, dtype, head_dim)
+    if problem and pieces > 1:
+        problem = f"{problem} in the {pieces} context pieces of the sequence of {seq_len}"
     if kernel == "auto":
-        return "cudnn" if supported else "xla"
+        return "cudnn" if supported else "splash" if backend == "tpu" and problem is None else "xla"
     if kernel == "cudnn" and not supported:
         raise ConfigError(
             "attention_kernel='cudnn' needs cuDNN's fused attention: a GPU backend, bf16 or fp16, a head dim that is "
             f"a multiple of 8 up to 128; found backend {backend!r}, {jnp.dtype(dtype).name}, head dim {head_dim}. Use "
             "'auto' (the fused kernel where the backend has one) or 'xla'"
         )
-    if kernel not in KERNELS:
-        raise ConfigError(f"attention_kernel={kernel!r}: expected one of {KERNELS}")
+    if kernel == "splash" and (backend not in ("tpu", "cpu") or problem):
+        raise ConfigError(
+            "attention_kernel='splash' (the Pallas splash attention kernel) runs on a TPU (on CPU in Pallas's "
+            f"interpreter) in {' or '.join(DTYPES)}, over sequences that are multiples of {LANES} (its blocks of "
+            f"{', '.join(map(str, BLOCKS))} must divide them) with a head dim of at most {MAX_HEAD_DIM}; found "
+            + (f"backend {backend!r}" if backend not in ("tpu", "cpu") else problem)
+            + ". Use 'auto', which runs XLA's attention (query blocks where attention_block is set) for such a "
+            "shape, or 'xla'"
+        )
     return kernel
 
 
@@ -95,13 +141,15 @@ def causal_attention(
 ) -> jax.Array:
     """Causal grouped-query attention of ``q`` ``(batch, seq, heads, head_dim)`` over ``k``, ``v`` ``(batch, seq,
     kv_heads, head_dim)`` (query head ``h`` reads kv head ``h // (heads // kv_heads)``), scaled by ``head_dim **
-    -0.5``; the output is laid out like ``q``.
+    -0.5``; the output is laid out like ``q``. The kernel is `attention_kernel`'s for ``kernel`` on the platform of
+    the ambient mesh (`mesh_platform`).
 
     Under an ambient mesh (`jax.set_mesh`) with a ``context`` axis larger than 1: `context_attention` by
-    ``context_strategy`` (``block`` unused: its pieces are the blocks). Else where `attention_kernel` picks cuDNN
-    (``kernel="auto"`` on a GPU in half precision): `jax.nn.dot_product_attention` on it, ``block`` unused. Else
-    with ``block``: `query_blocks` of that many queries, scores and softmax in float32. Else
-    `jax.nn.dot_product_attention`'s XLA implementation.
+    ``context_strategy``, its blocks by the splash kernel where that is the choice, else XLA's (``block`` unused:
+    its pieces are the blocks). Else the splash kernel where that is the choice, inside `over_mesh` (a Pallas
+    kernel is not partitioned by XLA). Else where `attention_kernel` picks cuDNN: `jax.nn.dot_product_attention` on
+    it, ``block`` unused. Else with ``block``: `query_blocks` of that many queries, scores and softmax in float32.
+    Else `jax.nn.dot_product_attention`'s XLA implementation.
 
     >>> import jax, jax.numpy as jnp
     >>> q = jax.random.normal(jax.random.key(0), (1, 8, 4, 2))
@@ -109,9 +157,22 @@ def causal_attention(
     >>> bool(jnp.allclose(causal_attention(q, kv, kv, block=2), causal_attention(q, kv, kv), atol=1e-6))
     True
     """
-    if context_size() > 1:
-        return context_attention(q, k, v, strategy=context_strategy)
-    if attention_kernel(kernel, q.dtype, q.shape[-1]) == "cudnn":
+    mesh = jax.sharding.get_abstract_mesh()
+    backend, n = mesh_platform(mesh), context_size()
+    pieces = n if n == 1 or context_strategy == "all_gather" else 2 * n  # the ring's chunks are half a piece
+    choice = attention_kernel(kernel, q.dtype, q.shape[-1], backend, q.shape[1], pieces)
+    interpret = backend != "tpu"
+    if n > 1:
+        splash = choice == "splash"
+        return context_attention(
+            q, k, v, strategy=context_strategy, kernel="splash" if splash else "xla", interpret=interpret
+        )
+    if choice == "splash":
+        local = functools.partial(splash_attention, interpret=interpret)
+        if mesh.empty or set(mesh.axis_names) <= set(mesh.manual_axes):
+            return local(q, k, v)
+        return over_mesh(local, q, k, v, mesh=mesh, check_vma=False)
+    if choice == "cudnn":
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
     if block is None or block >= q.shape[1]:
         return jax.nn.dot_product_attention(q, k, v, is_causal=True)

@@ -34,6 +34,13 @@ Gradients come from JAX's autodiff through the `shard_map` (the transpose of a `
 whole sequence's (as the all-gather strategy does), not their scores. A hand-written backward that passes the keys
 and values round the ring again (ring attention's own) would keep one piece; it is not done here.
 
+Each device's blocks are XLA's einsums (``kernel="xla"``) or, on a TPU, the Pallas splash kernel
+(``kernel="splash"``, `openhosti_jax.models.splash`): the ring's blocks by `splash_stats`, whose log-sum-exp the
+merge above differentiates (the kernel's backward, not a recomputation, gives each block's gradients; a ring step
+then also keeps its block's output and log-sum-exp for the backward), and the all-gather strategy's local queries
+over the gathered keys by one kernel whose causal block mask is split over the axis with the queries, so the
+blocks above the diagonal are skipped there too.
+
 Example:
     >>> import jax, jax.numpy as jnp
     >>> from openhosti_jax.mesh import MeshConfig, build_mesh
@@ -49,8 +56,10 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -60,6 +69,7 @@ from jax.sharding import PartitionSpec as P
 
 from openhosti_jax.errors import ConfigError, ShardingError
 from openhosti_jax.mesh.config import SEQUENCE_AXIS, TOKEN_AXES
+from openhosti_jax.models.splash import gathered_kernel, splash_attention, splash_problem, splash_stats
 
 Strategy = Literal["ring", "all_gather"]
 """How a device gets the keys and values of the other sequence pieces."""
@@ -73,6 +83,10 @@ TENSOR_AXIS = "tensor"
 Stats = tuple[jax.Array, jax.Array, jax.Array]
 """An online-softmax partial result: (row max ``(b, q, n, g)``, row sum of exponentials, unnormalised output
 ``(b, q, n, g, d)``), all float32."""
+
+Attend = Callable[[jax.Array, jax.Array, jax.Array, bool], Stats]
+"""``attend(q, k, v, causal)``: the `Stats` of grouped queries ``(b, q, n, g, d)`` over keys and values ``(b, k, n,
+d)``, all visible or (``causal``) query ``i`` over keys ``0..i``."""
 
 
 def context_size(mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None, axis: str = SEQUENCE_AXIS) -> int:
@@ -156,22 +170,31 @@ def _select(pred: jax.Array, a: Stats, b: Stats) -> Stats:
     return tuple(jnp.where(pred, x, y) for x, y in zip(a, b, strict=True))  # type: ignore[return-value]
 
 
-def _ring(q: jax.Array, k: jax.Array, v: jax.Array, axis: str, n: int, scale: float) -> jax.Array:
-    """Causal attention of the local balanced pieces (chunks ``i``, ``2n-1-i``) with keys/values round the ring."""
+def _xla_block(scale: float) -> Attend:
+    """`_block` as an `Attend`: a causal block masked by its lower triangle."""
+
+    def attend(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool) -> Stats:
+        return _block(q, k, v, jnp.tril(jnp.ones((q.shape[1], k.shape[1]), bool)) if causal else None, scale)
+
+    return attend
+
+
+def _ring(q: jax.Array, k: jax.Array, v: jax.Array, axis: str, n: int, attend: Attend) -> jax.Array:
+    """Causal attention of the local balanced pieces (chunks ``i``, ``2n-1-i``) with keys/values round the ring,
+    each block by ``attend``."""
     c = q.shape[1] // 2
-    tril = jnp.tril(jnp.ones((c, c), bool))
     qa, qb = q[:, :c], q[:, c:]
-    a = _block(qa, k[:, :c], v[:, :c], tril, scale)  # chunk i over itself
-    b = _merge(_block(qb, k[:, :c], v[:, :c], None, scale), _block(qb, k[:, c:], v[:, c:], tril, scale))
+    a = attend(qa, k[:, :c], v[:, :c], True)  # chunk i over itself
+    b = _merge(attend(qb, k[:, :c], v[:, :c], False), attend(qb, k[:, c:], v[:, c:], True))
     i = jax.lax.axis_index(axis)
 
     def step(carry: tuple, t: jax.Array) -> tuple[tuple, None]:
         k, v, a, b = carry
         k, v = jax.lax.ppermute((k, v), axis, [(j, (j + 1) % n) for j in range(n)])  # now device i - t's
         ka, va, kb, vb = k[:, :c], v[:, :c], k[:, c:], v[:, c:]
-        b = _merge(b, _block(qb, ka, va, None, scale))  # chunk 2n-1-i sees all of chunk i - t (mod n)
+        b = _merge(b, attend(qb, ka, va, False))  # chunk 2n-1-i sees all of chunk i - t (mod n)
         earlier = t <= i  # keys of a device before this one: its first chunk is before both of ours
-        part = _block(jnp.where(earlier, qa, qb), jnp.where(earlier, ka, kb), jnp.where(earlier, va, vb), None, scale)
+        part = attend(jnp.where(earlier, qa, qb), jnp.where(earlier, ka, kb), jnp.where(earlier, va, vb), False)
         merged = _merge(_select(earlier, a, b), part)
         return (k, v, _select(earlier, merged, a), _select(earlier, b, merged)), None
 
@@ -222,7 +245,7 @@ def _batch_axes(mesh: jax.sharding.AbstractMesh, rows: int) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _balanced_ring(q: jax.Array, k: jax.Array, v: jax.Array, axis: str, n: int, scale: float) -> jax.Array:
+def _balanced_ring(q: jax.Array, k: jax.Array, v: jax.Array, axis: str, n: int, attend: Attend) -> jax.Array:
     """`_ring` on the local contiguous pieces: queries, keys and values moved into the balanced layout together (one
     pair of exchanges), the output moved back."""
     widths = (q.shape[2:], k.shape[2:])
@@ -231,9 +254,67 @@ def _balanced_ring(q: jax.Array, k: jax.Array, v: jax.Array, axis: str, n: int, 
     lq, lk, lv = flat[..., :nq], flat[..., nq : nq + nk], flat[..., nq + nk :]
     b, s = flat.shape[:2]
     out = _ring(
-        lq.reshape(b, s, *widths[0]), lk.reshape(b, s, *widths[1]), lv.reshape(b, s, *widths[1]), axis, n, scale
+        lq.reshape(b, s, *widths[0]), lk.reshape(b, s, *widths[1]), lv.reshape(b, s, *widths[1]), axis, n, attend
     )
     return _from_balanced(out, axis, n)
+
+
+def _tensor_ways(mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh, axis: str | None) -> int:
+    """How many ways `over_mesh` splits the heads: the tensor axis's size where it is free and not ``axis``."""
+    free = TENSOR_AXIS in mesh.axis_names and TENSOR_AXIS not in getattr(mesh, "manual_axes", ())
+    return int(dict(mesh.shape)[TENSOR_AXIS]) if free and TENSOR_AXIS != axis else 1
+
+
+def over_mesh(
+    local: Callable[..., jax.Array],
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh,
+    axis: str | None = None,
+    extra: tuple[Any, Any] | None = None,
+    check_vma: bool = True,
+) -> jax.Array:
+    """``local(q, k, v[, extra])`` on every device of ``mesh`` inside `jax.shard_map`, laid out like ``q``: the batch
+    split over the data-parallel axes that divide it, the sequence over ``axis`` (None: whole), the heads over
+    ``tensor`` (key/value heads repeated, then sliced, where the tensor axis splits more ways than there are: each
+    device's ``k``, ``v`` are then the kv heads its query heads read); other axes replicated. ``extra``: ``(value,
+    in_spec)`` of one more argument (a kernel's block masks). ``check_vma=False`` where ``local`` holds a Pallas
+    call (its outputs carry no varying-axes type). `ShardingError` when the tensor axis does not divide the heads.
+    """
+    free = [a for a in mesh.axis_names if a not in getattr(mesh, "manual_axes", ())]
+    t, h, kvh = _tensor_ways(mesh, axis), q.shape[2], k.shape[2]
+    if h % t:
+        raise ShardingError(
+            f"attention splits the {h} query heads over the {TENSOR_AXIS!r} axis of size {t}, which does not divide "
+            f"them; use a tensor axis size dividing {h}"
+        )
+    rep = t // math.gcd(kvh, t)  # kv heads repeated this often split over the tensor axis with their query heads
+    rows = _batch_axes(mesh, q.shape[0])
+    heads = TENSOR_AXIS if t > 1 else None
+    q_spec, kv_spec = P(rows or None, axis, heads, None), P(rows or None, axis, heads if rep == 1 else None, None)
+
+    def body(q: jax.Array, k: jax.Array, v: jax.Array, *more: Any) -> jax.Array:
+        if rep > 1:  # this device's query heads read the kv heads [first, first + width) of the repeated ones
+            width = kvh * rep // t
+            first = jax.lax.axis_index(TENSOR_AXIS) * width
+            k, v = (jax.lax.dynamic_slice_in_dim(jnp.repeat(x, rep, axis=2), first, width, axis=2) for x in (k, v))
+        return local(q, k, v, *more)
+
+    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+    explicit = any(types[a] == AxisType.Explicit for a in free)
+    args, specs = [q, k, v], [q_spec, kv_spec, kv_spec]
+    if extra is not None:
+        args.append(extra[0])
+        specs.append(extra[1])
+    if explicit:  # shard_map then wants its inputs placed as specified; the output goes back to q's placement
+        placed = jax.typeof(q).sharding.spec
+        args = jax.tree.map(lambda x, s: jax.reshard(x, NamedSharding(mesh, s)), args, specs)
+    out = jax.shard_map(
+        body, mesh=mesh, in_specs=tuple(specs), out_specs=q_spec, axis_names=set(free), check_vma=check_vma
+    )(*args)
+    return jax.reshard(out, NamedSharding(mesh, placed)) if explicit else out
 
 
 def context_attention(
@@ -245,15 +326,20 @@ def context_attention(
     axis: str = SEQUENCE_AXIS,
     scale: float | None = None,
     mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
+    kernel: str = "xla",
+    interpret: bool = False,
 ) -> jax.Array:
     """Causal attention of ``q`` ``(batch, seq, heads, head_dim)`` over ``k``, ``v`` ``(batch, seq, kv_heads,
     head_dim)`` with the sequence split over ``axis`` of ``mesh`` (default: the ambient mesh), by ``strategy``;
     equal to `jax.nn.dot_product_attention` with ``is_causal=True``. ``scale`` defaults to ``head_dim ** -0.5``.
 
-    Inside, the batch is split over the mesh's data-parallel axes that divide it and the heads over ``tensor``
-    (key/value heads repeated where there are fewer than the tensor axis splits); other axes are replicated.
+    ``kernel`` computes each device's blocks: ``"xla"`` (einsums, each block recomputed in the backward) or
+    ``"splash"`` (`openhosti_jax.models.splash`; ``interpret``: in Pallas's interpreter, off a TPU): the ring's
+    blocks by `splash_stats`, the all-gather strategy's local queries over the gathered keys by one
+    `gathered_kernel` whose block mask is split with the queries. Batch and heads are split as `over_mesh` says.
     `ShardingError` when the mesh has no such axis, the sequence is not divisible by ``2 x`` its size (``ring``) or
-    its size (``all_gather``), or the tensor axis does not divide the heads.
+    its size (``all_gather``), or the tensor axis does not divide the heads; `ConfigError` for a kernel that cannot
+    take the pieces (`splash_problem`).
     """
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
     if mesh.empty or axis not in mesh.axis_names:
@@ -262,38 +348,33 @@ def context_attention(
             f"{'no mesh' if mesh.empty else f'axes {mesh.axis_names}'}; call it under jax.set_mesh(mesh) of such a "
             "mesh (openhosti_jax.build_mesh(MeshConfig(context=...)))"
         )
-    sizes = dict(mesh.shape)
-    n = int(sizes[axis])
+    n = int(dict(mesh.shape)[axis])
     _check(q, k, v, strategy, n, axis)
     scale = float(q.shape[-1] ** -0.5) if scale is None else float(scale)
-    free = [a for a in mesh.axis_names if a not in getattr(mesh, "manual_axes", ())]
-    t = int(sizes[TENSOR_AXIS]) if TENSOR_AXIS in free and TENSOR_AXIS != axis else 1
-    h, kvh = q.shape[2], k.shape[2]
-    if h % t:
-        raise ShardingError(
-            f"context attention splits the {h} query heads over the {TENSOR_AXIS!r} axis of size {t}, which does not "
-            f"divide them; use a tensor axis size dividing {h}"
+    if kernel not in ("xla", "splash"):
+        raise ConfigError(f"context attention computes its blocks by kernel 'xla' or 'splash', found {kernel!r}")
+    piece = q.shape[1] // (2 * n if strategy == "ring" else n)
+    if kernel == "splash" and (problem := splash_problem(piece, q.dtype, q.shape[-1])):
+        raise ConfigError(
+            f"attention_kernel='splash' under a context axis of {n} ({strategy!r}) runs the kernel on pieces of "
+            f"{piece} tokens, which it cannot take: {problem}; use attention_kernel='auto' (XLA's blocks then) or a "
+            "sequence length whose pieces are multiples of 128"
         )
-    rep = t // math.gcd(kvh, t)  # kv heads repeated this often split over the tensor axis with their query heads
-    rows = _batch_axes(mesh, q.shape[0])
-    heads = TENSOR_AXIS if t > 1 else None
-    q_spec, kv_spec = P(rows or None, axis, heads, None), P(rows or None, axis, heads if rep == 1 else None, None)
+    splash = kernel == "splash"
+    attend = functools.partial(splash_stats, scale=scale, interpret=interpret) if splash else _xla_block(scale)
+    extra = None
+    if splash and strategy == "all_gather":
+        whole = gathered_kernel(q.shape[2] // _tensor_ways(mesh, axis), q.shape[1], n, interpret)
+        extra = (whole, whole.manual_sharding_spec(NamedSharding(mesh, P(None, axis))))
 
-    def local(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    def local(q: jax.Array, k: jax.Array, v: jax.Array, *whole: Any) -> jax.Array:
         b, s, h_local, d = q.shape
-        if rep > 1:  # this device's query heads read the kv heads [first, first + width) of the repeated ones
-            width = kvh * rep // t
-            first = jax.lax.axis_index(TENSOR_AXIS) * width
-            k, v = (jax.lax.dynamic_slice_in_dim(jnp.repeat(x, rep, axis=2), first, width, axis=2) for x in (k, v))
+        if whole:
+            k, v = (jax.lax.all_gather(x, axis, axis=1, tiled=True) for x in (k, v))
+            return splash_attention(q, k, v, kernel=whole[0])
         grouped = q.reshape(b, s, k.shape[2], h_local // k.shape[2], d)
-        attend = _gathered if strategy == "all_gather" else _balanced_ring
-        return attend(grouped, k, v, axis, n, scale).reshape(b, s, h_local, d)
+        if strategy == "all_gather":
+            return _gathered(grouped, k, v, axis, n, scale).reshape(b, s, h_local, d)
+        return _balanced_ring(grouped, k, v, axis, n, attend).reshape(b, s, h_local, d)
 
-    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
-    explicit = any(types[a] == AxisType.Explicit for a in free)
-    if explicit:  # shard_map then wants its inputs placed as specified; the output goes back to q's placement
-        placed = jax.typeof(q).sharding.spec
-        q, k, v = (jax.reshard(x, NamedSharding(mesh, s)) for x, s in ((q, q_spec), (k, kv_spec), (v, kv_spec)))
-    specs = (q_spec, kv_spec, kv_spec)
-    out = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=q_spec, axis_names=set(free))(q, k, v)
-    return jax.reshard(out, NamedSharding(mesh, placed)) if explicit else out
+    return over_mesh(local, q, k, v, mesh=mesh, axis=axis, extra=extra, check_vma=not splash)

@@ -66,7 +66,8 @@ class GPTConfig:
     and values: ``"ring"`` or ``"all_gather"`` (`openhosti_jax.models.context`)."""
     attention_kernel: str = "auto"
     """The attention kernel (`openhosti_jax.models.attention.KERNELS`): ``"auto"`` runs cuDNN's fused attention on a
-    GPU in bf16/fp16 and XLA's elsewhere; ``"cudnn"`` on a backend without it is a `ConfigError` when traced."""
+    GPU in bf16/fp16, the Pallas splash kernel on a TPU (sequences that are multiples of 128) and XLA's elsewhere;
+    ``"cudnn"`` or ``"splash"`` where it cannot run is a `ConfigError` when traced."""
 
     def __post_init__(self) -> None:
         problems = [

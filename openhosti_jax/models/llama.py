@@ -84,7 +84,8 @@ class LlamaConfig:
     and values: ``"ring"`` or ``"all_gather"`` (`openhosti_jax.models.context`)."""
     attention_kernel: str = "auto"
     """The attention kernel (`openhosti_jax.models.attention.KERNELS`): ``"auto"`` runs cuDNN's fused attention on a
-    GPU in bf16/fp16 and XLA's elsewhere; ``"cudnn"`` on a backend without it is a `ConfigError` when traced."""
+    GPU in bf16/fp16, the Pallas splash kernel on a TPU (sequences that are multiples of 128) and XLA's elsewhere;
+    ``"cudnn"`` or ``"splash"`` where it cannot run is a `ConfigError` when traced."""
     num_experts: int = 0
     """Routed experts per MoE layer; 0: every MLP dense (a plain Llama)."""
     top_k: int = 2

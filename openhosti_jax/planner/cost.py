@@ -313,13 +313,9 @@ def _layout(
     sizes = {a: int(n) for a, n in plan.mesh_shape.items()}
     cluster = profile if isinstance(profile, Cluster) else Cluster(profile, 1, math.prod(sizes.values()))
     mp = precision(plan.precision)
-    on, stack = cluster.stack.attention_on, cluster.stack
-    full = mp.compute_dtype.itemsize > 2
-    if (on is not None and cluster.profile.name not in on) or (stack.attention_half_only and full):
-        # the stack's attention kernel does not run on this device or in this precision: plain fused XLA ops
-        cluster = dataclasses.replace(
-            cluster, stack=dataclasses.replace(stack, causal_skip=False, attention_efficiency=None)
-        )
+    stack = cluster.stack.on(cluster.profile.name, mp.compute_dtype.itemsize <= 2)  # the kernel this device runs
+    if stack is not cluster.stack:
+        cluster = dataclasses.replace(cluster, stack=stack)
     params = work.memo(("params", plan.precision), lambda: jax.tree.leaves(mp.cast_to_param(work.params)))
     policy = work.policy_activations(plan.remat, plan.precision)
     if policy is None:

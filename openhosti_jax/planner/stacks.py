@@ -71,6 +71,11 @@ class Stack:
     attention_half_only: bool = False
     """Whether that kernel runs only in half precision (cuDNN's flash attention: bf16 / fp16); an fp32 step's
     attention is then priced as plain fused XLA ops."""
+    splash_on: tuple[str, ...] = ()
+    """Device kinds whose attention is a TPU splash kernel instead (this library's on TPU:
+    `openhosti_jax.models.splash`): fused, no score tile in memory, the causal mask's blocks skipped, in bf16 and
+    fp32 alike, priced on the matmul curve (no published rate); ``attention_on``, ``attention_efficiency`` and
+    ``attention_half_only`` describe the other kernel."""
     pipeline_context: bool = True
     """Whether a pipeline stage splits its sequences over a context axis too (Megatron-Core, MaxText and
     torchtitan compose context parallelism with their pipelines); False: a pipelined mesh has no context axis."""
@@ -108,6 +113,24 @@ class Stack:
             )
         if self.flash_attention and self.score_bytes:
             raise PlanningError(f"stack {self.name!r}: a flash attention kernel moves no scores; set score_bytes=0")
+
+    def on(self, kind: str, half: bool) -> Stack:
+        """This stack as its attention runs on device kind ``kind`` (`DeviceProfile.name`) in half precision
+        (``half``) or not: ``splash_on``'s kernel there; ``attention_on``'s where it runs (and the precision is
+        half where ``attention_half_only``); else plain fused XLA ops (every block computed, the matmul rate).
+
+        >>> own = STACKS["openhosti"]
+        >>> [(s.causal_skip, s.attention_efficiency is None) for s in (own.on("TPU v5p", False), own.on("A100", True))]
+        [(True, True), (False, True)]
+        """
+        if kind in self.splash_on:
+            return dataclasses.replace(
+                self, flash_attention=True, score_bytes=0.0, score_bytes_forward=0.0, causal_skip=True,
+                attention_efficiency=None,
+            )  # fmt: skip
+        if (self.attention_on is not None and kind not in self.attention_on) or (self.attention_half_only and not half):
+            return dataclasses.replace(self, causal_skip=False, attention_efficiency=None)
+        return self
 
 
 _MEGATRON_2021 = (
@@ -164,6 +187,7 @@ STACKS: dict[str, Stack] = {
         attention_efficiency=_CUDNN_H100_EFFICIENCY,
         attention_on=("H100", "H200", "H100 HBM2e"),
         attention_half_only=True,
+        splash_on=("TPU v4", "TPU v5e", "TPU v5p", "TPU v6e"),
         tensor_overlap=False,
         collective_matmul=True,
         context_sequence_parallel=False,
@@ -175,7 +199,10 @@ STACKS: dict[str, Stack] = {
             "kernel (openhosti_jax.models.attention.attention_kernel passes implementation='cudnn' to "
             "jax.nn.dot_product_attention, whose implementation=None is XLA's on every backend in jax 0.10; "
             "tests/test_models_attention.py), priced at cuDNN's measured H100 rate with the causal half skipped, "
-            "on Hopper only (the rate's source); elsewhere query blocks (each block's scores stay in a fusion and "
+            "on Hopper only (the rate's source); on a TPU the Pallas splash kernel in bf16 and fp32 "
+            "(openhosti_jax.models.splash: attention_kernel picks it from the platform of the mesh the step is "
+            "compiled for, tests/test_models_splash.py), the causal mask's blocks skipped, on the matmul curve; "
+            "elsewhere query blocks (each block's scores stay in a fusion and "
             "are recomputed in the backward), every block computed and masked; the latency-hiding "
             "scheduler overlaps gradient and ZeRO collectives with other layers' work, but a tensor-parallel "
             "all-reduce sits between two dependent matmuls of one layer, except in an unpipelined sequence-parallel "
