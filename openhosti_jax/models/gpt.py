@@ -23,7 +23,7 @@ from openhosti_jax.errors import ConfigError
 from openhosti_jax.models.attention import KERNELS, causal_attention
 from openhosti_jax.models.collective import project_in, project_out
 from openhosti_jax.models.context import STRATEGIES
-from openhosti_jax.models.placement import constrain_activation, constrain_logits, lookup
+from openhosti_jax.models.placement import constrain_activation, constrain_logits, constrain_unsplit, lookup
 from openhosti_jax.policies.remat import keep
 from openhosti_jax.sharding.rules import LAYER_AXIS
 from openhosti_jax.state.blocks import stack_modules
@@ -229,7 +229,8 @@ class GPT(nnx.Module):
             rngs = jax.random.split(rng, n) if rng is not None else [None] * n
             for block, r in zip(self.blocks, rngs, strict=True):
                 x = block(x, r)
-        return constrain_logits(self.head(self.ln_f(x)).astype(jnp.float32))
+        x = constrain_unsplit(self.ln_f(x))  # the vocabulary-parallel head takes the whole sequence
+        return constrain_logits(constrain_logits(self.head(x)).astype(jnp.float32))  # split as computed
 
 
 def next_token_loss(logits: jax.Array, tokens: jax.Array, mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:

@@ -41,7 +41,7 @@ from openhosti_jax.models.checks import dtype_problem, finite_number, positive_i
 from openhosti_jax.models.collective import project_in, project_out
 from openhosti_jax.models.context import STRATEGIES
 from openhosti_jax.models.moe import MoEAux, MoEBlock, MoEConfig, moe_layer
-from openhosti_jax.models.placement import constrain_logits, lookup
+from openhosti_jax.models.placement import constrain_logits, constrain_unsplit, lookup
 from openhosti_jax.policies.remat import keep
 from openhosti_jax.sharding.rules import LAYER_AXIS
 from openhosti_jax.state.blocks import stack_modules
@@ -497,8 +497,9 @@ class Llama(nnx.Module):
                 if isinstance(x, tuple):
                     x, aux = x
                     auxes.append(jax.tree.map(lambda v: v[None], aux))
-        x = self.norm(x)
-        logits = constrain_logits((self.embed.attend(x) if self.head is None else self.head(x)).astype(jnp.float32))
+        x = constrain_unsplit(self.norm(x))  # the vocabulary-parallel head takes the whole sequence
+        logits = constrain_logits(self.embed.attend(x) if self.head is None else self.head(x))  # split as computed
+        logits = constrain_logits(logits.astype(jnp.float32))
         if not with_aux:
             return logits
         aux = jax.tree.map(lambda *v: jnp.concatenate(v), *auxes) if auxes else None

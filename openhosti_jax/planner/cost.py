@@ -363,17 +363,26 @@ class _Activations(NamedTuple):
     """Bytes per example whose split the ops cannot carry (gathered forward, reduce-scattered backward)."""
     cuts: int
     """Reshapes that cut the tensor-split dim unevenly."""
+    checkpointed: float = 0.0
+    """Of ``kept``, what the policy keeps through the whole backward (the checkpointed values and the loss's); the
+    rest is one block's recomputed residuals, alive only while that block's backward runs."""
+    loss: float = 0.0
+    """Of ``checkpointed``, the loss's two output-sized copies (alive at the forward's end, one of them, the
+    outputs' cotangent, at the backward's start)."""
 
 
 def _activations(lay: _Layout) -> _Activations:
     work = lay.work
-    act_per_example, split_share, reshard, cuts = work.tensor_split(
+    act_per_example, split_share, reshard, cuts, loss = work.tensor_split(
         tuple(axis_dim(bs, "tensor") for bs in lay.base), lay.t, lay.sequence
     )
     split_act = act_per_example  # every activation, after the tensor / sequence split
+    policy = lay.policy
     if work.activation_bytes_per_example:  # the policy's share of the (tensor-split) activations
-        act_per_example *= lay.policy.bytes_per_example / work.activation_bytes_per_example
-    return _Activations(split_act, act_per_example, split_share, reshard, cuts)
+        act_per_example *= policy.bytes_per_example / work.activation_bytes_per_example
+    through = policy.checkpointed_per_example
+    checkpointed = act_per_example if through is None else act_per_example * through / policy.bytes_per_example
+    return _Activations(split_act, act_per_example, split_share, reshard, cuts, checkpointed, min(loss, checkpointed))
 
 
 class _Memory(NamedTuple):
@@ -408,8 +417,19 @@ def _memory(lay: _Layout, acts: _Activations) -> _Memory:
         param_local * mp.compute_dtype.itemsize / mp.param_dtype.itemsize if mp.compute_dtype != mp.param_dtype else 0.0
     )
 
-    def temporaries(act: float) -> float:  # the backward's peak above the state, per pipeline stage
-        peak = max(act + grads.start, act + grads.stacked_out + grads.loop, reduction)
+    # what the loss holds, and what the blocks keep through the whole backward, for one microbatch
+    share = act / acts.kept if acts.kept else 0.0
+    loss, through = acts.loss * share, acts.checkpointed * share
+
+    def temporaries(act: float) -> float:  # the step's peak above the state, per pipeline stage
+        kept = min(through, act) - loss  # the blocks' checkpointed values (remat "none": every residual)
+        block = act - loss - kept  # one block's recomputed residuals, while its backward runs
+        peak = max(
+            kept + loss + grads.head,  # the forward's end: the loss's two copies, the output head gathered
+            kept + loss / 2 + grads.start,  # the backward's start: the outputs' cotangent, the head's gradient
+            kept + block + grads.stacked_out + grads.loop,  # the layers' backward loop
+            reduction,
+        )
         return (peak + accumulator + cast) / stages
 
     temp = temporaries(act)
@@ -449,6 +469,9 @@ class _Gradients(NamedTuple):
     """``combined`` in its reduced layout."""
     scattered: float
     """The reduce-scattered gradients of the unstacked ZeRO-3 leaves, held from the backward on."""
+    head: float = 0.0
+    """At the forward's end, besides the activations: the largest unstacked leaf's gathered copy (ZeRO-3; remat
+    ``"none"`` keeps every leaf's where the stack's compiler holds them, `DeviceProfile.keeps_gathered_weights`)."""
 
 
 def _gradients(lay: _Layout, grad_full: list[int]) -> _Gradients:
@@ -459,6 +482,7 @@ def _gradients(lay: _Layout, grad_full: list[int]) -> _Gradients:
     stacked_out, flat, combined, combined_out, scattered = 0.0, [], 0.0, 0.0, 0.0
     flat_gathered, layer_leaf, layer_gathered = 0.0, 0.0, 0.0
     kept_flat, kept_layers = 0.0, 0.0  # what remat "none" keeps of the gathered copies
+    used = cast or 1.0  # a gathered copy is in the compute dtype: the parameters are cast before they are gathered
     for g, x, ps, bs, gs, names in zip(
         grad_full, lay.params, lay.p_specs, lay.base, lay.g_specs, lay.names, strict=True
     ):
@@ -466,22 +490,22 @@ def _gradients(lay: _Layout, grad_full: list[int]) -> _Gradients:
         if lay.stacked(names):
             stacked_out += lay.local_bytes(x, gs)
             layer_leaf = max(layer_leaf, g / x.shape[0])
-            layer_gathered = max(layer_gathered, 2 * g / x.shape[0] if gathered else 0.0)
+            layer_gathered = max(layer_gathered, 2 * g * used / x.shape[0] if gathered else 0.0)
             # a scanned layer's cast copy is a residual of the loop; uncast, it is gathered again
             kept_layers += g * cast if gathered else 0.0
             continue
         flat.append(g)
-        flat_gathered = max(flat_gathered, g if gathered else 0.0)
-        if gathered:
+        flat_gathered = max(flat_gathered, g * used if gathered else 0.0)
+        kept_flat += g * used if gathered else 0.0  # one gather serves the forward and the backward
+        if gathered and lay.profile.native_reduce_scatter:
             scattered += lay.local_bytes(x, gs)
-            kept_flat += g  # one gather serves the forward and the backward
-        else:
+        else:  # without a native reduce-scatter (XLA:CPU) a ZeRO-3 leaf's gradient is all-reduced whole, then sliced
             combined += g
             combined_out += lay.local_bytes(x, gs)
-    if lay.plan.remat == "none":  # every residual kept: the gathered weights stay from the forward to the backward
+    if lay.plan.remat == "none" and lay.profile.keeps_gathered_weights:  # the gathered weights stay to the backward
         flat_gathered, layer_gathered = kept_flat, kept_layers
     start = flat_gathered + max(flat, default=0)
-    return _Gradients(stacked_out, start, layer_gathered + layer_leaf, combined, combined_out, scattered)
+    return _Gradients(stacked_out, start, layer_gathered + layer_leaf, combined, combined_out, scattered, flat_gathered)
 
 
 def _pipelined_gradients(lay: _Layout, grad_full: list[int]) -> _Gradients:

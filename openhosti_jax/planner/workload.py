@@ -89,6 +89,13 @@ class Workload:
                 return int(x.shape[0])
         return None
 
+    @property
+    def loss_bytes_per_example(self) -> float:
+        """What the loss holds per example at the forward's end, counted in ``activation_bytes_per_example``: two
+        copies of the model's outputs (its softmax and the logits, or the outputs' cotangent at the backward's
+        start)."""
+        return 2.0 * sum(leaf_bytes(v) for v in self.outputs)
+
     def memo(self, key: tuple, make: Callable[[], Any]) -> Any:
         """``make()``, made once per ``key`` (the search prices one workload thousands of times)."""
         key = ("memo", *key)
@@ -256,7 +263,9 @@ class Workload:
         whole are split along the sequence too (sequence parallelism), except those a split matmul consumes,
         which are all-gathered for it and kept so for the backward."""
         if self.jaxpr is None or t <= 1 or all(d is None for d in param_dims):
-            return TensorSplit(self.activation_bytes_per_example / (t if sequence else 1), 0.0, 0.0, 0)
+            return TensorSplit(
+                self.activation_bytes_per_example / (t if sequence else 1), 0.0, 0.0, 0, self.loss_bytes_per_example
+            )
         key = (param_dims, t, sequence)
         if key not in self._split_cache:
             in_dims = list(param_dims) + [None] * (len(self.jaxpr.invars) - len(param_dims))
@@ -269,7 +278,8 @@ class Workload:
                 leaf_bytes(v) / (t if dims.get(v) is not None or (sequence and v not in whole) else 1) for v in saved
             )
             total = count_flops(self.jaxpr, matmul_only=True)
-            self._split_cache[key] = TensorSplit(act, split_flops / total if total else 0.0, reshard, cut)
+            loss = 2 * sum(leaf_bytes(v) / (t if dims.get(v) is not None else 1) for v in self.outputs)
+            self._split_cache[key] = TensorSplit(act, split_flops / total if total else 0.0, reshard, cut, loss)
         return self._split_cache[key]
 
 
@@ -517,6 +527,9 @@ class TensorSplit(NamedTuple):
     """Bytes per example gathered forward and reduce-scattered backward (marks the ops cannot carry)."""
     cut_reshapes: int
     """Reshapes that cut the split dim into parts the axis does not divide (e.g. heads): the split is unusable."""
+    loss_bytes: float = 0.0
+    """Of ``activation_bytes``, what the loss holds per example per device: two copies of the model's outputs
+    (`Workload.loss_bytes_per_example`), split where the outputs are."""
 
 
 def _batch_size(batch: Any) -> int:
