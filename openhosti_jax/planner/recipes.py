@@ -24,6 +24,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
+from openhosti_jax.flops import matmul_flops
+from openhosti_jax.jaxpr_walk import calls
 from openhosti_jax.planner.stacks import EVERY_RESIDUAL, Stack
 from openhosti_jax.planner.workload import Workload
 
@@ -51,29 +53,24 @@ class LayerShape(NamedTuple):
 
 
 def _dots(jaxpr: Any) -> Iterator[Any]:
-    """``jaxpr``'s ``dot_general`` equations in program order, nested calls entered where they are called."""
+    """``jaxpr``'s ``dot_general`` equations in program order, each nested jaxpr entered where it is called (by
+    `openhosti_jax.jaxpr_walk.calls`' rule: a cond's costliest branch)."""
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "dot_general":
             yield eqn
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, tuple | list) else (value,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    yield from _dots(inner)
+        for call in calls(eqn, matmul_flops):
+            yield from _dots(call.jaxpr)
 
 
 def _layer_scan(jaxpr: Any, layers: int) -> Any | None:
     """The body of the first scan over ``layers`` trips that runs attention (a batched matmul), else None."""
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "scan" and eqn.params["length"] == layers:
-            body = eqn.params["jaxpr"].jaxpr
-            if any(e.params["dimension_numbers"][1][0] for e in _dots(body)):
-                return body
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, tuple | list) else (value,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns") and (found := _layer_scan(inner, layers)) is not None:
-                    return found
+        for call in calls(eqn, matmul_flops):
+            batched = any(e.params["dimension_numbers"][1][0] for e in _dots(call.jaxpr))
+            if eqn.primitive.name == "scan" and call.trips == layers and batched:
+                return call.jaxpr
+            if (found := _layer_scan(call.jaxpr, layers)) is not None:
+                return found
     return None
 
 
