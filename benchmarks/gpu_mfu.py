@@ -9,8 +9,10 @@ batch split over every device, no accumulation). Both are timed in the same proc
     python benchmarks/gpu_mfu.py --quick    # tiny GPT, 2 repeats, on the accelerator present (else 8 CPU devices)
     python benchmarks/gpu_mfu.py --dry-run  # tiny GPT on 8 simulated CPU devices (tests)
 
-MFU = flops_per_token * tokens_per_s / (devices * peak FLOP/s). The peak is the vendor's dense bf16 figure for
-known GPUs (H100/H200 989 TFLOP/s, A100 312), else ``--peak-tflops``, else a measured bf16 matmul (CPU).
+MFU = flops_per_token * tokens_per_s / (devices * peak FLOP/s), ``flops_per_token`` counting causal attention half
+(`openhosti_jax.flops.CAUSAL_ATTENTION_COUNTED`, as MaxText and Megatron-LM count). The peak is the vendor's dense
+bf16 figure for known GPUs (H100/H200 989 TFLOP/s, A100 312), else ``--peak-tflops``, else a measured bf16 matmul
+(CPU).
 Last stdout line: one JSON object (`goals.emit`; benchmarks/README.md: no goal is asserted for the gpu_*.py
 scripts) with mfu, plain_jit_mfu, tokens_per_s, peak_memory_bytes and more. On a CPU the MFU is against a
 measured matmul, not a vendor peak: it checks the code paths, not an accelerator.

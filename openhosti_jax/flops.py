@@ -28,6 +28,18 @@ import jax
 
 from openhosti_jax.jaxpr_walk import calls
 
+CAUSAL_ATTENTION_COUNTED = 0.5
+"""The share of a causal attention layer's ``seq x seq`` score and weighted-value matmuls that *model* FLOPs (what
+MFU counts) count: half, the (query, key) pairs a query may attend (key index <= query index). MaxText counts so
+(src/maxtext/utils/maxtext_utils.py @ e591f30, ``calculate_tflops_training_per_device``: "Divide attention flops
+by 2 due to causal mask", since AI-Hypercomputer/maxtext#1988; docs/reference/performance_metrics.md, "Causal
+attention"), and so does Megatron-LM (megatron/training/training.py @ d98e8a6, ``num_floating_point_operations``:
+"/ 2  # causal mask (only half of the mask is non-zero)"); torchtitan counts the whole square
+(torchtitan/models/utils.py @ b5bcd76, ``get_dense_model_nparams_and_flops``: "we follow the convention and do not
+account for sparsity in causal attention"). Only the utilisation's numerator follows it: a step's *time* prices the
+work its kernels do (a flash kernel skips the masked blocks, a plain one computes and masks them).
+A bidirectional layer (BERT's encoder, a UNet's) counts its whole square."""
+
 
 def dot_flops(eqn: Any) -> float:
     """FLOPs of one ``dot_general`` equation (2 x contracted size x output size)."""

@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from openhosti_jax.errors import ConfigError, StateError
-from openhosti_jax.flops import jaxpr_flops
+from openhosti_jax.flops import CAUSAL_ATTENTION_COUNTED, jaxpr_flops
 from openhosti_jax.models.gpt import next_token_loss
 from openhosti_jax.models.llama import Llama, LlamaConfig, apply_rope, rope_tables
 from openhosti_jax.sharding.rules import LAYER_AXIS, logical_names
@@ -229,21 +229,39 @@ def _forward_matmul_flops(cfg: LlamaConfig) -> float:
     return jaxpr_flops(lambda st, t: nnx.merge(graphdef, st)(t), state, tokens, matmul_only=True)
 
 
+def _masked_half(cfg: LlamaConfig) -> float:
+    """The attention FLOPs per token the trace computes (every block of the square, the masked ones too) and the
+    model FLOPs do not count: the masked half of ``12 L d s``."""
+    return 12 * cfg.n_layers * cfg.d_model * cfg.seq_len * (1 - CAUSAL_ATTENTION_COUNTED)
+
+
 @pytest.mark.parametrize(
     "cfg",
     [LlamaConfig.tiny(), LlamaConfig.tiny(tie_embeddings=True, scan_layers=True, n_kv_heads=1)],
     ids=["tiny", "tiny-tied-scanned-mqa"],
 )
 def test_flops_per_token_is_three_forwards_of_the_jaxpr(cfg):
-    assert cfg.flops_per_token() == 3 * _forward_matmul_flops(cfg) / cfg.seq_len
+    assert cfg.flops_per_token() == 3 * _forward_matmul_flops(cfg) / cfg.seq_len - _masked_half(cfg)
 
 
 @pytest.mark.timeout(300)
 def test_flops_per_token_llama3_8b():
     cfg = LlamaConfig.llama3_8b(scan_layers=True)
-    assert cfg.flops_per_token() == 3 * _forward_matmul_flops(cfg) / cfg.seq_len
+    assert cfg.flops_per_token() == 3 * _forward_matmul_flops(cfg) / cfg.seq_len - _masked_half(cfg)
     matmul_params = cfg.num_params() - cfg.vocab_size * cfg.d_model - (2 * cfg.n_layers + 1) * cfg.d_model
-    assert cfg.flops_per_token() == 6 * matmul_params + 12 * cfg.n_layers * cfg.d_model * cfg.seq_len
+    assert cfg.flops_per_token() == 6 * matmul_params + 6 * cfg.n_layers * cfg.d_model * cfg.seq_len
+
+
+def test_flops_per_token_llama3_8b_is_6n_plus_the_causal_half_of_attention_by_hand():
+    """Llama-3 8B at 8,192 tokens, from its published shape (d 4096, 32 layers, 32 query and 8 key/value heads of
+    128, SwiGLU 14,336, vocabulary 128,256): N = the matmul weights a token runs through, the head's included (the
+    embedding lookup is no matmul); attention's scores and weighted values are 12 L s d per token over the whole
+    square, of which the causal half, 6 L s d, counts (MaxText's and Megatron-LM's convention)."""
+    d, layers, kv, ffn, vocab, seq = 4096, 32, 8 * 128, 14336, 128256, 8192
+    per_layer = d * d + 2 * d * kv + d * d + 3 * d * ffn  # q, k and v, o, gate / up / down
+    n = layers * per_layer + d * vocab
+    assert n == 7_504_658_432
+    assert LlamaConfig.llama3_8b().flops_per_token() == 6 * n + 6 * layers * seq * d == 45_027_950_592 + 6_442_450_944
 
 
 @pytest.mark.slow  # 9 s on the 2-core machine: too long for the fast suite

@@ -14,12 +14,13 @@ from flax import nnx
 
 from openhosti_jax.cli import main
 from openhosti_jax.errors import PlanningError
+from openhosti_jax.flops import CAUSAL_ATTENTION_COUNTED
 from openhosti_jax.models.gpt import GPT, GPTConfig
 from openhosti_jax.models.llama import Llama, LlamaConfig
 from openhosti_jax.models.presets import model_preset
 from openhosti_jax.planner.cluster import Cluster, cluster
 from openhosti_jax.planner.cost import estimate, matmul_efficiency
-from openhosti_jax.planner.predict import predict
+from openhosti_jax.planner.predict import model_flops_per_example, predict
 from openhosti_jax.planner.profiles import PROFILES, bus_bytes
 from openhosti_jax.planner.search import Candidate, score
 from openhosti_jax.planner.workload import workload
@@ -222,12 +223,15 @@ def test_plans_for_a_large_cluster_fit_the_device():
 @pytest.mark.parametrize("shape", [{}, {"ffn": 96, "head_dim": 24}])
 def test_gpt_widths_count_parameters_and_flops_exactly(shape):
     """The GPT family's closed forms against the built model: its parameter count and the traced matmul FLOPs
-    (MaxText's 2023 v5p shapes need an MLP width that is no multiple of d_model and heads wider than d/heads)."""
+    (MaxText's 2023 v5p shapes need an MLP width that is no multiple of d_model and heads wider than d/heads): the
+    trace computes attention's whole square, ``12 L s a`` per token, the model FLOPs count its causal half."""
     cfg = GPTConfig.tiny(**shape)
     model = GPT(cfg, rngs=nnx.Rngs(0))
     assert sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))) == cfg.num_params()
     w = workload(lambda r: GPT(cfg, rngs=nnx.Rngs(r)), jax.ShapeDtypeStruct((2, cfg.seq_len), jnp.int32))
-    assert w.flops_per_example / cfg.seq_len == pytest.approx(cfg.flops_per_token(), rel=1e-9)
+    masked = 12 * cfg.n_layers * cfg.seq_len * cfg.attention_width * (1 - CAUSAL_ATTENTION_COUNTED)
+    assert w.flops_per_example / cfg.seq_len == pytest.approx(cfg.flops_per_token() + masked, rel=1e-9)
+    assert model_flops_per_example(w) / cfg.seq_len == pytest.approx(cfg.flops_per_token(), rel=1e-9)
 
 
 def test_tensor_split_weights_all_reduce_their_activations_per_layer_in_any_layout():

@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 from openhosti_jax.errors import ConfigError
+from openhosti_jax.flops import CAUSAL_ATTENTION_COUNTED
 from openhosti_jax.models.attention import KERNELS, causal_attention
 from openhosti_jax.models.collective import project_in, project_out
 from openhosti_jax.models.context import STRATEGIES
@@ -133,9 +134,12 @@ class GPTConfig:
         )
 
     def flops_per_token(self) -> int:
-        """Training FLOPs per token (forward + backward = 3x forward matmuls, attention included)."""
+        """Training FLOPs per token (forward + backward = 3x forward matmuls, attention included): the causal
+        attention's scores and weighted values, ``2 * 2 * seq_len * attention_width`` per token and layer over the
+        whole square, counted half (`openhosti_jax.flops.CAUSAL_ATTENTION_COUNTED`, MaxText's and Megatron-LM's
+        count)."""
         d, h, s, a = self.d_model, self.mlp_width, self.seq_len, self.attention_width
-        per_layer = 2 * (4 * d * a + 2 * d * h) + 2 * 2 * s * a
+        per_layer = 2 * (4 * d * a + 2 * d * h) + int(2 * 2 * s * a * CAUSAL_ATTENTION_COUNTED)
         return 3 * (self.n_layers * per_layer + 2 * d * self.vocab_size)
 
 

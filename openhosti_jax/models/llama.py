@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from openhosti_jax.errors import ConfigError, StateError
+from openhosti_jax.flops import CAUSAL_ATTENTION_COUNTED
 from openhosti_jax.models.attention import KERNELS, causal_attention
 from openhosti_jax.models.checks import dtype_problem, finite_number, positive_ints
 from openhosti_jax.models.collective import project_in, project_out
@@ -296,15 +297,17 @@ class LlamaConfig:
         """Training FLOPs per token at ``seq_len``: 3 x the forward's matmuls (backward = 2 x forward), over the
         active parameters.
 
-        ``6 * (active matmul params + d_model * vocab_size) + 12 * n_layers * d_model * seq_len``: a matmul with P
+        ``6 * (active matmul params + d_model * vocab_size) + 6 * n_layers * d_model * seq_len``: a matmul with P
         weights costs 2P FLOPs per token; an MoE layer's are its router, ``top_k`` routed experts and the shared
         ones (dispatch, padding and dropped tokens not counted); the head is a matmul, tied or not, the embedding
         lookup is not; attention scores ``q.k`` and the weighted sum of values cost ``2 * seq_len * d_model`` each
-        per token and layer, counted over the full ``seq_len x seq_len`` square (as in `GPTConfig.flops_per_token`:
-        no causal halving). Norms, RoPE, softmax and SiLU are not counted.
+        per token and layer over the full ``seq_len x seq_len`` square, ``12 * n_layers * d_model * seq_len`` for
+        the step, of which the causal half counts (`openhosti_jax.flops.CAUSAL_ATTENTION_COUNTED`, MaxText's and
+        Megatron-LM's count; the trace computes the whole square). Norms, RoPE, softmax and SiLU are not counted.
         """
         d, s = self.d_model, self.seq_len
-        return 6 * (self._matmul_params(True) + d * self.vocab_size) + 12 * self.n_layers * d * s
+        attention = int(12 * self.n_layers * d * s * CAUSAL_ATTENTION_COUNTED)
+        return 6 * (self._matmul_params(True) + d * self.vocab_size) + attention
 
 
 _LLAMA2: dict[str, Any] = {"vocab_size": 32000, "seq_len": 4096, "rope_theta": 10000.0, "norm_eps": 1e-5}

@@ -16,7 +16,7 @@ Example:
     ('llama3-8b', 4096, '8.03B')
     >>> m = model_preset("deepseek-moe-16b")
     >>> f"{m.config.num_params() / 1e9:.1f}B", f"{m.config.active_params() / 1e9:.2f}B", m.flops_per_token / 1e9
-    ('16.4B', '2.83B', 18.531483648)
+    ('16.4B', '2.83B', 17.122197504)
 """
 
 from __future__ import annotations

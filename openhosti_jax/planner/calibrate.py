@@ -189,6 +189,7 @@ def calibrate(
             memory_curve=memory,
             launch_seconds=launch,
             native_reduce_scatter=native_rs,
+            matmul_efficiency=1.0,  # the peak is the measured matmul rate
         )
     bandwidth, latencies = {}, []
     curves: dict[str, dict[int, tuple[tuple[float, float], ...]]] = {kind: {} for kind in MEASURED}
@@ -215,6 +216,7 @@ def calibrate(
         memory_curve=memory,
         launch_seconds=launch,
         native_reduce_scatter=native_rs,
+        matmul_efficiency=1.0,  # the peak is the measured matmul rate
     )
 
 

@@ -56,6 +56,7 @@ from jax.sharding import PartitionSpec as P
 from openhosti_jax.errors import PlanningError
 from openhosti_jax.planner.cluster import Cluster
 from openhosti_jax.planner.profiles import DeviceProfile, bus_bytes
+from openhosti_jax.planner.recipes import saved_bytes
 from openhosti_jax.planner.stacks import Stack
 from openhosti_jax.planner.workload import AttentionWork, ExpertWork, PolicyActivations, Workload
 from openhosti_jax.policies.precision import precision
@@ -379,10 +380,25 @@ def _activations(lay: _Layout) -> _Activations:
     split_act = act_per_example  # every activation, after the tensor / sequence split
     policy = lay.policy
     if work.activation_bytes_per_example:  # the policy's share of the (tensor-split) activations
+<<<<<<< HEAD
         act_per_example *= policy.bytes_per_example / work.activation_bytes_per_example
     through = policy.checkpointed_per_example
     checkpointed = act_per_example if through is None else act_per_example * through / policy.bytes_per_example
     return _Activations(split_act, act_per_example, split_share, reshard, cuts, checkpointed, min(loss, checkpointed))
+=======
+        act_per_example *= lay.policy.bytes_per_example / work.activation_bytes_per_example
+    peer = peer_saved_bytes(lay, lay.plan.remat)  # a peer stack keeps what its own recipe does
+    return _Activations(split_act, act_per_example if peer is None else peer, split_share, reshard, cuts)
+
+
+def peer_saved_bytes(lay: _Layout, remat: str) -> float | None:
+    """The activation bytes per example a peer stack keeps under ``remat`` by its published recipe
+    (`openhosti_jax.planner.recipes.saved_bytes`, `Stack.saves`) on one device of the plan's tensor split; None where
+    the trace prices them (this library's stack, a policy the stack has no recipe for, a model without a
+    transformer layer scan)."""
+    itemsize = lay.mp.compute_dtype.itemsize
+    return saved_bytes(lay.cluster.stack, lay.work, remat, itemsize, lay.t, lay.sequence)
+>>>>>>> h-mfu
 
 
 class _Memory(NamedTuple):
@@ -401,7 +417,7 @@ def _memory(lay: _Layout, acts: _Activations) -> _Memory:
     larger of the step's two temporary peaks."""
     params, stages = lay.params, lay.stages
     param_local = sum(lay.local_bytes(x, s) for x, s in zip(params, lay.p_specs, strict=True))
-    opt_local = sum(lay.local_bytes(x, s) for x, s in zip(lay.opt, lay.o_specs, strict=True))
+    opt_local = sum(lay.local_bytes(x, s) for x, s in zip(lay.opt, lay.o_specs, strict=True)) / _context_shards(lay)
     grad_full = [lay.local_bytes(x, bs) for x, bs in zip(params, lay.base, strict=True)]
     grads = _gradients(lay, grad_full)
     act = acts.kept * lay.b_local / lay.k
@@ -440,6 +456,14 @@ def _memory(lay: _Layout, acts: _Activations) -> _Memory:
     return _Memory(
         {"state": state, "batch": batch, "temporaries": temp, "total": state + batch + temp}, factor, opt_local
     )
+
+
+def _context_shards(lay: _Layout) -> int:
+    """How many ways a peer stack splits the optimizer state over the ``context`` axis beyond the plan's specs
+    (`Stack.optimizer_over_context`: Megatron-Core, torchtitan, MaxText shard it there too); 1 for this library."""
+    if not lay.cluster.stack.optimizer_over_context or lay.context <= 1:
+        return 1
+    return 1 if any("context" in spec_axes(s) for s in lay.o_specs) else lay.context
 
 
 class _Gradients(NamedTuple):
@@ -539,7 +563,11 @@ def _compiler_recompute(lay: _Layout, act: float, over: float) -> tuple[float, f
     factor = policy.flops_factor
     if lay.cluster.stack.compiler_remat and over > 0 and plan.remat not in ("full", "offload"):
         full = lay.work.policy_activations("full", plan.precision)
-        droppable = act * (1 - full.bytes_per_example / policy.bytes_per_example) if full else 0.0
+        kept = full.bytes_per_example / policy.bytes_per_example if full else 1.0
+        peer, peer_full = peer_saved_bytes(lay, plan.remat), peer_saved_bytes(lay, "full")
+        if full and peer and peer_full is not None:  # the stack's own recipes, as its activations are priced
+            kept = peer_full / peer
+        droppable = act * (1 - kept)
         if droppable > 0:
             drop = min(over * lay.stages, droppable)
             return drop, factor + drop / droppable * (full.flops_factor - policy.flops_factor)

@@ -21,19 +21,28 @@ from typing import Any
 import optax
 
 from openhosti_jax.errors import PlanningError
+from openhosti_jax.flops import CAUSAL_ATTENTION_COUNTED
 from openhosti_jax.mesh.config import AXES
 from openhosti_jax.mesh.topology import is_tpu_target, tpu_target
 from openhosti_jax.planner.aot import FORECAST, CompiledCheck, compile_on_target
 from openhosti_jax.planner.choose import choose_plan
 from openhosti_jax.planner.cluster import Cluster, cluster
+from openhosti_jax.planner.profiles import UNCALIBRATED_MATMUL_EFFICIENCY
 from openhosti_jax.planner.search import Candidate, hybrid_axes, replicas, score
 from openhosti_jax.planner.stacks import STACKS
 from openhosti_jax.planner.verify import default_step
-from openhosti_jax.planner.workload import workload
+from openhosti_jax.planner.workload import Workload, workload
 from openhosti_jax.sharding.plan import ShardingPlan
 from openhosti_jax.state.contracts import StepFn
 
 GiB = 2**30
+MFU_COUNTS = "causal attention counted half, as MaxText and Megatron-LM"
+"""How `Prediction.mfu` counts a model's FLOPs (`openhosti_jax.flops.CAUSAL_ATTENTION_COUNTED`)."""
+UNCALIBRATED = (
+    f"uncalibrated: no measured or published matmul rate for this device, matmuls priced at "
+    f"{100 * UNCALIBRATED_MATMUL_EFFICIENCY:.1f}% of its peak"
+)
+"""What a `Prediction` on an uncalibrated device prints beside its figures."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +56,9 @@ class Prediction:
     tokens_per_step: int
     """Tokens (or examples, for a model without a sequence) in one global batch."""
     model_flops_per_token: float
-    """Training FLOPs per token the utilisation counts (the model's own formula, else the traced matmuls)."""
+    """Training FLOPs per token the utilisation counts (the model's own formula, else the traced matmuls), a causal
+    attention's at `openhosti_jax.flops.CAUSAL_ATTENTION_COUNTED` of its square (MaxText's and Megatron-LM's
+    count); the step time prices what the kernels run."""
     memory_bytes: float
     """Predicted bytes per device."""
     memory_budget: int | None
@@ -72,6 +83,14 @@ class Prediction:
     def mfu(self) -> float:
         """Model FLOPs utilisation: model FLOPs per second per device over the device's peak."""
         return self.tokens_per_second_per_device * self.model_flops_per_token / self.cluster.profile.peak_flops
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether the device's achievable matmul rate is measured or published
+        (`openhosti_jax.planner.profiles.DeviceProfile.calibrated`); False: its matmuls were priced at
+        `openhosti_jax.planner.profiles.UNCALIBRATED_MATMUL_EFFICIENCY` of the peak, an assumption, and the step
+        time is a bound, not a measurement's prediction."""
+        return self.cluster.profile.calibrated
 
     @property
     def fits(self) -> bool:
@@ -106,6 +125,8 @@ class Prediction:
             "step_seconds": self.step_seconds,
             "tokens_per_second_per_device": self.tokens_per_second_per_device,
             "mfu": self.mfu,
+            "mfu_counts": MFU_COUNTS,
+            "calibrated": self.calibrated,
             "memory_gib": self.memory_bytes / GiB,
             "memory_budget_gib": None if self.memory_budget is None else self.memory_budget / GiB,
             "fits": self.fits,
@@ -132,7 +153,8 @@ class Prediction:
             ),
             ("step time", f"{d['step_seconds'] * 1e3:.1f} ms"),
             ("tokens/s per device", f"{d['tokens_per_second_per_device']:,.0f}"),
-            ("MFU", f"{100 * d['mfu']:.1f}%"),
+            ("MFU", f"{100 * d['mfu']:.1f}% ({MFU_COUNTS})"),
+            ("device profile", "calibrated" if d["calibrated"] else UNCALIBRATED),
             (
                 "memory per device",
                 f"{d['memory_gib']:.2f} GiB of {budget} GiB predicted" + ("" if self.fits else " (too much)"),
@@ -144,6 +166,24 @@ class Prediction:
             ("time parts", ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in d["time"].items() if k != "total")),
         ]
         return "\n".join(f"{k:<20} {v}" for k, v in rows)
+
+
+def model_flops_per_example(work: Workload) -> float:
+    """The model FLOPs per example MFU counts, from the trace: its matmul FLOPs (`Workload.flops_per_example`), the
+    attention matmuls behind a fixed (causal) mask at `openhosti_jax.flops.CAUSAL_ATTENTION_COUNTED` of what the
+    trace computes (every block of the square, the masked ones too: `Workload.attention_work`).
+
+    >>> import jax, jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from openhosti_jax.models.gpt import GPT, GPTConfig
+    >>> cfg = GPTConfig(vocab_size=64, seq_len=32, d_model=16, n_heads=2, n_layers=2)
+    >>> w = workload(lambda r: GPT(cfg, rngs=nnx.Rngs(r)), jax.ShapeDtypeStruct((4, 32), jnp.int32))
+    >>> model_flops_per_example(w) == cfg.flops_per_token() * cfg.seq_len
+    True
+    """
+    a = work.attention_work()
+    masked = a.attention_share if a.masked else 0.0
+    return work.flops_per_example * (1 - masked * (1 - CAUSAL_ATTENTION_COUNTED))
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -199,7 +239,7 @@ def predict(
     (a fixed configuration's; default: where the mesh has a tensor axis, as the planner does). A pipelined mesh
     with a tensor axis needs a stack whose stages split over it (`Stack.pipeline_tensor`), else `PlanningError`.
     ``model_flops_per_token``: the model's training FLOPs per token for the utilisation (default: the traced matmul
-    FLOPs). ``compile`` (a TPU target: ``"v5p-128"``): the plan is compiled ahead of time for it
+    FLOPs, `model_flops_per_example`). ``compile`` (a TPU target: ``"v5p-128"``): the plan is compiled ahead of time for it
     (`openhosti_jax.planner.aot`; libtpu needed, no TPU): `Prediction.compiled` holds the compiler's bytes and
     verdict, and `Prediction.fits` follows the compiler; planned (no ``mesh``), the ranked candidates are compiled
     until one fits. A GPU cluster cannot be compiled here: the prediction says "forecast, not compiled".
@@ -210,7 +250,7 @@ def predict(
     tx = optimizer
     work = workload(model, sample_batch)
     tokens = work.global_batch * max(work.tokens_per_example, 1)
-    flops = model_flops_per_token or work.flops_per_example / max(work.tokens_per_example, 1)
+    flops = model_flops_per_token or model_flops_per_example(work) / max(work.tokens_per_example, 1)
     budget = memory_budget if memory_budget is not None else c.profile.memory_bytes
     if mesh is None:
         plan, report = choose_plan(

@@ -2,12 +2,16 @@
 memory size, and the measured curves a calibration adds (`openhosti_jax.planner.calibrate`).
 
 Accelerators come from their published specs (`PROFILES`) and published measurements: the fraction of peak a
-matmul reaches against its size (`DeviceProfile.matmul_curve`) and the fraction of a link's bus bandwidth a
-collective reaches against its message size (``link_efficiency``, ``dcn_efficiency``, from nccl-tests tables), each
-point citing its source (GPUs; none are published for TPUs, whose profiles stay flat). A calibrated profile prices
-a collective by interpolating the measured curve of its group size (caches and protocol switches make bandwidth
-depend on the size, which one straight line cannot follow, and small groups meet faster than large ones), else by
-its alpha-beta line. Any field can be overridden with `dataclasses.replace` or by passing a profile to the planner.
+matmul reaches against its size (`DeviceProfile.matmul_curve`: the GPUs' from cuBLAS and MAMF sweeps, TPU v5e's from
+JAX's own XLA matmul benchmark) and the fraction of a link's bus bandwidth a collective reaches against its message
+size (``link_efficiency``, ``dcn_efficiency``, from nccl-tests tables), each point citing its source. A device with
+no measured or published matmul rate (TPU v4, v5p, v6e) is *uncalibrated* (`DeviceProfile.calibrated`): its matmuls
+are priced at `UNCALIBRATED_MATMUL_EFFICIENCY`, never at 100% of the peak, and a prediction on it says so. TPU
+collectives stay on the alpha-beta line of the ICI / DCN spec (no message-size curve is published). A profile
+measured here (`openhosti_jax.planner.calibrate`) prices a collective by interpolating the measured curve of its
+group size (caches and protocol switches make bandwidth depend on the size, which one straight line cannot follow,
+and small groups meet faster than large ones), else by its alpha-beta line. Any field can be overridden with
+`dataclasses.replace` or by passing a profile to the planner.
 
 Example:
     >>> from openhosti_jax.planner.profiles import PROFILES
@@ -85,9 +89,11 @@ class DeviceProfile:
     """Bytes/s each device sends across hosts, one way (its share of the node's InfiniBand / DCN)."""
     dcn_latency: float = 10e-6
     """Seconds of fixed cost per step of a cross-host collective (one per doubling of the host count)."""
-    matmul_efficiency: float = 1.0
-    """Fraction of ``peak_flops`` that large matmuls reach (a measured GEMM benchmark; 1.0: the peak), taken for
-    every matmul where ``matmul_curve`` is empty."""
+    matmul_efficiency: float | None = None
+    """Fraction of ``peak_flops`` that large matmuls reach, measured (a GEMM benchmark's; 1.0 where ``peak_flops``
+    is itself a measured matmul rate, as a calibration's is), taken for every matmul where ``matmul_curve`` is
+    empty. None: nothing measured or published, the profile is uncalibrated (`calibrated`) and its matmuls are
+    priced at `UNCALIBRATED_MATMUL_EFFICIENCY`."""
     matmul_curve: tuple[tuple[float, float], ...] = ()
     """Achieved ``(GEMM size, fraction of peak_flops)`` points, sizes ascending, fractions non-decreasing: the size
     of an ``M x N x K`` matmul is the side of the cube of equal work, ``(M N K) ** (1/3)`` (a square GEMM's
@@ -145,8 +151,8 @@ class DeviceProfile:
             )
         if self.launch_seconds < 0:
             problems.append(f"launch_seconds={self.launch_seconds!r} must be >= 0")
-        if not 0 < self.matmul_efficiency <= 1:
-            problems.append(f"matmul_efficiency={self.matmul_efficiency!r} must be in (0, 1]")
+        if self.matmul_efficiency is not None and not 0 < self.matmul_efficiency <= 1:
+            problems.append(f"matmul_efficiency={self.matmul_efficiency!r} must be in (0, 1] or None (unmeasured)")
         for curve in ("matmul_curve", "link_efficiency", "dcn_efficiency"):
             points = getattr(self, curve)
             x, f = np.asarray([p[0] for p in points], float), np.asarray([p[1] for p in points], float)
@@ -188,16 +194,39 @@ class DeviceProfile:
             return _interpolate(groups[nearest], bus)
         return self.link_latency + bus / self.link_bandwidth[kind]
 
+    @property
+    def calibrated(self) -> bool:
+        """Whether the device's achievable matmul rate is measured or published (a ``matmul_curve`` or a
+        ``matmul_efficiency``, cited in ``sources``); False: its matmuls are priced at
+        `UNCALIBRATED_MATMUL_EFFICIENCY` of the peak, an assumption a prediction on it reports.
+
+        >>> from openhosti_jax.planner.profiles import PROFILES, UNCALIBRATED_MATMUL_EFFICIENCY
+        >>> PROFILES["H100"].calibrated, PROFILES["TPU v5e"].calibrated, PROFILES["TPU v5p"].calibrated
+        (True, True, False)
+        >>> round(PROFILES["TPU v5p"].achievable_matmul, 4), round(UNCALIBRATED_MATMUL_EFFICIENCY, 4)  # v5e's
+        (0.923, 0.923)
+        """
+        return bool(self.matmul_curve) or self.matmul_efficiency is not None
+
+    @property
+    def achievable_matmul(self) -> float:
+        """The fraction of ``peak_flops`` the largest matmuls reach (`gemm_efficiency` of an unbounded size): the
+        most of the peak any step's matmuls can sustain on this device (uncalibrated: the assumed cap)."""
+        return self.gemm_efficiency(math.inf)
+
     def gemm_efficiency(self, size: float) -> float:
         """Fraction of ``peak_flops`` a matmul of ``size`` (``(M N K) ** (1/3)``) reaches: `matmul_curve` in
-        log size, clamped at its ends, or ``matmul_efficiency`` without one.
+        log size, clamped at its ends, or ``matmul_efficiency`` without one, or on an uncalibrated profile
+        `UNCALIBRATED_MATMUL_EFFICIENCY`.
 
         >>> from openhosti_jax.planner.profiles import PROFILES
         >>> a100 = PROFILES["A100"]
         >>> a100.gemm_efficiency(8192) == a100.matmul_efficiency, round(a100.gemm_efficiency(1024), 3)
         (True, 0.264)
         """
-        return _log_interp(self.matmul_curve, size) if self.matmul_curve else self.matmul_efficiency
+        if self.matmul_curve:
+            return _log_interp(self.matmul_curve, size)
+        return UNCALIBRATED_MATMUL_EFFICIENCY if self.matmul_efficiency is None else self.matmul_efficiency
 
     def gemm_seconds(self, m: float, n: float, k: float) -> float:
         """Seconds of one ``M x K`` by ``K x N`` matmul: ``2 M N K / (peak x gemm_efficiency((M N K) ** (1/3)))``."""
@@ -289,7 +318,7 @@ def _spec(
     """A spec-sheet profile: a link bandwidth per collective kind (one number: every kind), the compiler
     overlapping collectives with compute (XLA's latency-hiding scheduler on GPU and TPU), 10 us per collective
     inside a host where no measured `DeviceProfile.link_efficiency` prices it; the large-GEMM efficiency is the
-    top of ``matmul_curve``."""
+    top of ``matmul_curve`` (none: uncalibrated, `DeviceProfile.calibrated`)."""
     return DeviceProfile(
         name,
         bf16,
@@ -303,7 +332,7 @@ def _spec(
         overlap=True,
         fp8_flops=fp8,
         sources=sources,
-        matmul_efficiency=matmul_curve[-1][1] if matmul_curve else 1.0,
+        matmul_efficiency=matmul_curve[-1][1] if matmul_curve else None,
         matmul_curve=matmul_curve,
         link_efficiency=link_efficiency,
         dcn_efficiency=dcn_efficiency,
@@ -433,9 +462,23 @@ NIC_FRACTION_4_NODES: tuple[tuple[float, float], ...] = tuple(
 )
 """Fraction of a 400 Gb/s NIC's 50 GB/s that a 4-node all_reduce's cross-node step reaches against the bytes
 each GPU sends across nodes (`_NCCL_4_NODES`)."""
+_JAX_V5E_MATMUL = (
+    "https://docs.jax.dev/en/latest/pallas/tpu/matmul.html (jax-ml/jax docs/pallas/tpu/matmul.ipynb, 'XLA matmul' "
+    "cell: jnp.matmul of bf16 m = k = n on TPU v5e against its 197 TFLOP/s, timed with timeit over 100 calls, "
+    "Python dispatch included: 4096 -> 84.3307%, 8192 -> 92.2960%; its 1024 point, 9.1275% in 119 us, is the "
+    "dispatch's, not the MXU's (the matmul takes 10.9 us at the peak) and is left out, so smaller matmuls are "
+    "clamped at the 4096 point)"
+)
+V5E_XLA_GEMM: tuple[tuple[float, float], ...] = ((4096, 0.843307), (8192, 0.922960))
+"""XLA's bf16 ``m = k = n`` matmul on TPU v5e as a fraction of its peak (`_JAX_V5E_MATMUL`)."""
 _NO_TPU_CURVES = (
-    "TPU: no published GEMM-size or collective message-size curve found (MaxText's MFUs are end-to-end, not GEMM "
-    "curves): matmuls at the bf16 peak, collectives on the alpha-beta line of the ICI / DCN spec"
+    "TPU: no published GEMM-size or collective message-size curve found for this chip (MaxText's MFUs are "
+    "end-to-end, not GEMM rates): uncalibrated, matmuls at UNCALIBRATED_MATMUL_EFFICIENCY of the bf16 peak (the "
+    "best large-GEMM fraction measured on any profile here, TPU v5e's), collectives on the alpha-beta line of the "
+    "ICI / DCN spec"
+)
+_NO_TPU_LINK_CURVES = (
+    "TPU: no published collective message-size curve found: collectives on the alpha-beta line of the ICI / DCN spec"
 )
 _HOPPER_SOURCES = (_MAMF, _CUDA11_FIG6 + _HOPPER_SHAPE, _NCCL_H200, _NCCL_4_NODES)
 _H100_SXM = _spec(
@@ -512,6 +555,7 @@ PROFILES: dict[str, DeviceProfile] = {
     ),
     "TPU v5e": _spec(
         "TPU v5e",
+        matmul_curve=V5E_XLA_GEMM,
         bf16=197e12,
         fp8=393e12,
         hbm=16 * GiB,
@@ -523,7 +567,8 @@ PROFILES: dict[str, DeviceProfile] = {
             "https://cloud.google.com/tpu/docs/v5e (bf16 197 TFLOPS, int8 393 TOPS, 16 GB HBM2 at 819 GB/s, ICI "
             "1,600 Gb/s per chip, 8 chips per host, 2D torus)",
             "https://cloud.google.com/tpu/docs/v6e (v5e per-host NICs 2 x 100 Gb/s for 8 chips: 25 Gb/s per chip)",
-            _NO_TPU_CURVES,
+            _JAX_V5E_MATMUL,
+            _NO_TPU_LINK_CURVES,
         ),
     ),
     "TPU v5p": _spec(
@@ -558,6 +603,13 @@ PROFILES: dict[str, DeviceProfile] = {
     ),
 }
 """Spec-sheet profiles by device kind, each citing its sources (`DeviceProfile.sources`)."""
+
+UNCALIBRATED_MATMUL_EFFICIENCY: float = max(p.achievable_matmul for p in PROFILES.values() if p.calibrated)
+"""The fraction of its bf16 peak an uncalibrated device's matmuls are priced at (`DeviceProfile.calibrated`): the
+highest large-GEMM fraction measured on any profile here (TPU v5e's XLA matmul, 92.3%; H100 80.3%, A100 86.9%).
+A device nobody measured is assumed no faster than the fastest one measured: 100% of the peak is what no measured
+chip reaches, and any lower figure would be a guess at that chip; so a prediction on it is an upper bound, and
+says it is uncalibrated (`openhosti_jax.planner.predict.Prediction`)."""
 
 KIND_ALIASES = {
     # device_kind substrings (lower case) -> PROFILES key

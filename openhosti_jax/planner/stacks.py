@@ -3,8 +3,12 @@ the device profile (`openhosti_jax.planner.profiles`). Two runs on the same GPUs
 executes the same model: whether elementwise ops are fused into few kernels or run one kernel each (eager
 PyTorch), whether attention is a flash kernel (scores kept on chip, the causal half skipped) or materialises its
 ``seq x seq`` scores in memory, and whether the tensor-parallel and gradient collectives overlap compute or wait
-for it. `STACKS` holds the openhosti (XLA) default and the stacks of the published runs `benchmarks/scale.py`
-compares with, each citing where its traits come from; a `Cluster` carries one (`Cluster.stack`).
+for it. They differ in memory too: what a peer stack's activation checkpointing keeps per layer comes from its own
+published recipe (`Stack.saves`, priced by `openhosti_jax.planner.recipes`), its loss head's logits at its own bytes
+per element (`Stack.logits_bytes`), and whether it shards the optimizer state over the context axis
+(`Stack.optimizer_over_context`); this library's own step is priced from its residual trace. `STACKS` holds the
+openhosti (XLA) default and the stacks of the published runs `benchmarks/scale.py` compares with, each citing where
+its traits come from; a `Cluster` carries one (`Cluster.stack`).
 
 Example:
     >>> from openhosti_jax.planner.stacks import STACKS
@@ -13,13 +17,47 @@ Example:
     (True, False, False)
     >>> s.score_bytes  # HBM bytes per fp16 score element, forward + backward (the kernels are listed in STACKS)
     30.0
+    >>> STACKS["megatron-core"].saves["dots"]  # selective recomputation: all but the attention core, as published
+    ('input', 'residual', 'norms', 'qkv', 'context', 'mlp_in', 'mlp_act', 'dropout_masks')
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 from openhosti_jax.errors import PlanningError
+
+LAYER_TENSORS: tuple[str, ...] = (
+    "input",
+    "residual",
+    "norms",
+    "qkv",
+    "context",
+    "attn_out",
+    "mlp_in",
+    "mlp_act",
+    "mlp_out",
+    "every_other",
+    "dropout_masks",
+)
+"""The tensors of a transformer layer a stack's checkpointing rule may keep (`Stack.saves`), each per token: ``input``
+the layer's input (what full recomputation keeps; a scan's carry), ``residual`` the residual stream between
+attention and the MLP, ``norms`` the two norms' outputs (the projections' inputs), ``qkv`` the query, key and value
+projections' outputs, ``context`` attention's output (the out projection's input; what a flash kernel keeps),
+``attn_out`` the out projection's output, ``mlp_in`` the MLP's input projections' outputs, ``mlp_act`` its
+activation's output, ``mlp_out`` its output projection's, ``every_other`` the 1st, 3rd, 5th, ... projections'
+outputs in the order the forward calls them, ``dropout_masks`` the two hidden dropouts' masks (a byte per
+element). Their widths come from the model's trace (`openhosti_jax.planner.recipes.layer_shape`)."""
+EVERY_RESIDUAL: tuple[str, ...] = ("input", "residual", "norms", "qkv", "context", "mlp_in", "mlp_act")
+"""What a fused transformer layer's backward reads with a flash attention kernel and no dropout: Korthikanti et al.
+2022 ("Reducing Activation Recomputation in Large Transformer Models", arXiv 2205.05198, section 4.1: 34 sbh + 5 a
+s^2 b bytes per GPT layer in fp16, dropout masks included) without the attention core's s^2 terms, which a flash
+kernel does not keep; for a GPT layer (q = h, k + v = 2h, MLP 4h) 32 sbh, and 34 sbh with the masks."""
+_FULL = ("input",)
+_MEGATRON_SELECTIVE = (*EVERY_RESIDUAL, "dropout_masks")
+_MAXTEXT_MINIMAL = ("input", "qkv", "attn_out", "mlp_in", "mlp_out")
+_TORCHTITAN_OP_SAC = ("input", "every_other", "context")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,10 +136,33 @@ class Stack:
     device routes its share of the batch and holds and runs its slice of the experts, their optimizer state split
     over ``expert`` as the unpipelined path's, tokens exchanged by all-to-alls per microbatch and MoE layer);
     False: a pipelined mesh has no expert axis."""
+    saves: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    """This library's remat policy name (as a run on the stack is priced) -> the layer tensors (`LAYER_TENSORS`) the
+    stack's own activation checkpointing keeps per layer for it, from its published recipe
+    (`openhosti_jax.planner.recipes.saved_bytes`); a policy not listed, and every policy of this library's stack,
+    keeps what this library's residual trace does."""
+    logits_bytes: float | None = None
+    """Bytes per logit element the stack's loss holds when the backward starts (its saved softmax or log-softmax
+    and the logits' cotangent), with `saves`; None: this library's trace (fp32 logits and their fp32 cotangent)."""
+    optimizer_over_context: bool = False
+    """Whether the stack shards the optimizer state over the ``context`` axis too (as over the data-parallel
+    ones: Megatron-Core's distributed optimizer, torchtitan's FSDP, MaxText's FSDP rules); False (this library):
+    ZeRO shards over the data, fsdp and expert axes only, so a context split keeps a whole optimizer state."""
     sources: tuple[str, ...] = ()
     """Where the traits come from."""
 
     def __post_init__(self) -> None:
+        unknown = sorted({n for names in self.saves.values() for n in names} - set(LAYER_TENSORS))
+        if unknown:
+            raise PlanningError(
+                f"stack {self.name!r}: saves names layer tensors {unknown}; expected names from {LAYER_TENSORS}"
+            )
+        if self.saves and not (isinstance(self.logits_bytes, int | float) and self.logits_bytes > 0):
+            raise PlanningError(
+                f"stack {self.name!r}: a recipe (saves) needs the loss head's logits_bytes > 0; found "
+                f"{self.logits_bytes!r}: give the bytes per logit element its loss holds (fp32: 8, a saved fp32 "
+                "softmax with a bf16 cotangent: 6)"
+            )
         if self.attention_efficiency is not None and not 0 < self.attention_efficiency <= 1:
             raise PlanningError(
                 f"stack {self.name!r}: attention_efficiency={self.attention_efficiency!r} must be in (0, 1] or None"
@@ -173,6 +234,44 @@ def _step_efficiency(forward: float, backward: float, peak: float) -> float:
 
 
 _CUDNN_H100_EFFICIENCY = _step_efficiency(518e12, 499e12, 989e12)
+_MEGATRON_2021_RECIPE = (
+    "NVIDIA/Megatron-LM @ v2.5: --checkpoint-activations (run_table_1.sh) keeps each layer's input and recomputes "
+    "the layer; megatron/model/gpt_model.py line 56 casts the logits to fp32 (output.float()) and "
+    "megatron/mpu/cross_entropy.py lines 69-80 exponentiate them in place and save that softmax (4 bytes per "
+    "element), the gradient made in it and handed back in fp16 (2): 6 bytes per logit element, vocab-parallel"
+)
+_MCORE_RECIPE = (
+    "NVIDIA/Megatron-LM megatron/core/transformer/transformer_config.py @ core_r0.8.0 lines 160-167: "
+    "recompute_granularity 'selective' recomputes only the attention core (its memory-intensive part), 'full' keeps "
+    "each layer's input; lines 43-46: hidden_dropout and attention_dropout default 0.1 (a byte mask per hidden "
+    "dropout kept; the fused attention regenerates its own). Korthikanti et al. 2022 (arXiv 2205.05198) section 4: "
+    "selective keeps 34 sbh per GPT layer, sbh (10 + 24/t) under tensor parallelism, 34 sbh / t with sequence "
+    "parallelism; with a flash core no recomputation keeps the same (the core keeps only its output, which the "
+    "out projection keeps anyway)",
+    "megatron/core/tensor_parallel/cross_entropy.py @ core_r0.8.0 lines 27, 185 and 88: the logits cast to fp32, "
+    "their softmax saved (4 bytes per element), its gradient made in place and handed back to the bf16 output layer "
+    "(2): 6 bytes per logit element, vocab-parallel over tensor",
+    "megatron/core/optimizer/__init__.py @ core_r0.8.0 line 343: the distributed optimizer shards over "
+    "get_data_parallel_group(with_context_parallel=True)",
+)
+_MAXTEXT_RECIPE = (
+    "AI-Hypercomputer/maxtext src/maxtext/layers/decoders.py @ e591f30 lines 326-358: remat_policy 'minimal' saves "
+    "query_proj, key_proj, value_proj, out_proj, mlpwi_0, mlpwi_1 and mlpwo, 'minimal_with_context' (formerly "
+    "'minimal_flash') the attention context too, 'full' no name: the scanned layer's carry, its input (the v5p "
+    "32B's 'minimal' of 2023, checkpoint_dots_with_no_batch_dims, saves the same projections' outputs)",
+    "src/maxtext/configs/base.yml @ e591f30 line 193: cast_logits_to_fp32 true (fp32 logits kept for the softmax "
+    "cross entropy, with their fp32 cotangent: 8 bytes per element); lines 605-606: 'embed' sharded over fsdp, "
+    "fsdp_transpose, context, ...: the parameters and their optimizer state split over the context axis",
+)
+_TITAN_RECIPE = (
+    "pytorch/torchtitan torchtitan/parallelisms/parallelize_llama.py @ 3f20451 (2024-12, the benchmark's) lines "
+    "214-222 and 253-259: selective op checkpointing saves the outputs of every other aten.mm in a block (the 1st, "
+    "3rd, ...: wq, wv, w1, w2 of a Llama block) and of the flash / efficient SDPA and recomputes the rest; full "
+    "checkpointing keeps the block's input",
+    "train.py @ 3f20451 lines 132-133 and 307: cross_entropy(pred.flatten(0, 1).float(), ...) keeps the fp32 "
+    "log-softmax and makes an fp32 cotangent, the bf16 logits deleted before the backward: 8 bytes per logit element",
+    "torchtitan/distributed/parallel_dims.py @ b5bcd76 lines 225-228: the FSDP dimension includes dp_shard and cp",
+)
 _MCORE_MOE = (
     "NVIDIA/Megatron-LM megatron/core/transformer/moe/README.md @ 0b981f9c53: expert parallelism composes with "
     "pipeline and tensor parallelism (its Mixtral 8x7B mapping: TP1 EP8 PP4 VP8), each rank holding its experts' "
@@ -230,7 +329,9 @@ STACKS: dict[str, Stack] = {
         score_bytes_forward=13.0,
         tensor_overlap=False,
         grad_overlap=True,
-        sources=_MEGATRON_2021,
+        saves={"full": _FULL},
+        logits_bytes=6.0,
+        sources=(*_MEGATRON_2021, _MEGATRON_2021_RECIPE),
     ),
     "megatron-core": Stack(
         "megatron-core",
@@ -240,7 +341,10 @@ STACKS: dict[str, Stack] = {
         attention_efficiency=_CUDNN_H100_EFFICIENCY,
         tensor_overlap=True,
         pipeline_expert=True,
-        sources=(*_MCORE, *_CUDNN_H100, _MCORE_MOE),
+        saves={"none": _MEGATRON_SELECTIVE, "dots": _MEGATRON_SELECTIVE, "full": _FULL},
+        logits_bytes=6.0,
+        optimizer_over_context=True,
+        sources=(*_MCORE, *_CUDNN_H100, _MCORE_MOE, *_MCORE_RECIPE),
     ),
     "torchtitan": Stack(
         "torchtitan",
@@ -249,7 +353,10 @@ STACKS: dict[str, Stack] = {
         causal_skip=True,
         attention_efficiency=0.31,
         tensor_overlap=False,
-        sources=(*_TITAN, _FA2_H100),
+        saves={"selective": _TORCHTITAN_OP_SAC, "full": _FULL},
+        logits_bytes=8.0,
+        optimizer_over_context=True,
+        sources=(*_TITAN, _FA2_H100, *_TITAN_RECIPE),
     ),
     "torchtitan-compile": Stack(
         "torchtitan-compile",
@@ -258,7 +365,10 @@ STACKS: dict[str, Stack] = {
         causal_skip=True,
         attention_efficiency=0.31,
         tensor_overlap=False,
-        sources=(*_TITAN, _FA2_H100, "the rows '+ torch.compile': Inductor fuses the elementwise ops"),
+        saves={"selective": _TORCHTITAN_OP_SAC, "full": _FULL},
+        logits_bytes=8.0,
+        optimizer_over_context=True,
+        sources=(*_TITAN, _FA2_H100, "the rows '+ torch.compile': Inductor fuses the elementwise ops", *_TITAN_RECIPE),
     ),
     "maxtext": Stack(
         "maxtext",
@@ -267,11 +377,15 @@ STACKS: dict[str, Stack] = {
         causal_skip=True,
         tensor_overlap=False,
         compiler_remat=True,
+        saves={"dots": _MAXTEXT_MINIMAL, "full": _FULL},
+        logits_bytes=8.0,
+        optimizer_over_context=True,
         sources=(
             "AI-Hypercomputer/maxtext on TPU: XLA-fused ops, the splash / flash Pallas attention kernel (skipping the "
             "causal mask's blocks; no published rate, so priced on the matmul curve); no collective matmul in the "
             "configs compared; XLA's rematerialization pass left on (the v5p scripts' LIBTPU_INIT_ARGS do not "
             "disable it, as the A3 scripts' XLA_FLAGS do)",
+            *_MAXTEXT_RECIPE,
         ),
     ),
     "maxtext-gpu": Stack(
@@ -281,10 +395,14 @@ STACKS: dict[str, Stack] = {
         causal_skip=True,
         attention_efficiency=_CUDNN_H100_EFFICIENCY,
         tensor_overlap=False,
+        saves={"dots": (*_MAXTEXT_MINIMAL, "context"), "full": _FULL},
+        logits_bytes=8.0,
+        optimizer_over_context=True,
         sources=(
             "AI-Hypercomputer/maxtext MaxText/configs/a3/llama_2_7b/1vm.sh @ efb6d9e4a: XLA-fused ops, "
-            "attention=cudnn_flash_te (Transformer Engine's cuDNN flash attention)",
+            "attention=cudnn_flash_te (Transformer Engine's cuDNN flash attention), remat_policy=minimal_flash",
             _CUDNN_H100[0],
+            *_MAXTEXT_RECIPE,
         ),
     ),
 }
