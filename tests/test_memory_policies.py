@@ -291,7 +291,7 @@ def test_selective_remat_keeps_every_other_projection_and_prices_its_recompute()
     assert kept["selective"].flops_factor == pytest.approx(1.1 + unkept / work.flops_per_example)
     tx = optax.adam(1e-3)
     cpu = dataclasses.replace(
-        PROFILES["H100"], native_reduce_scatter=False
+        PROFILES["H100"], native_reduce_scatter=False, keeps_gathered_weights=True, phase_peaks=False
     )  # CPU all-reduces, as in test_planner_memory
     sc = score(work, tx, Candidate({"stage": 1, "data": 8, "fsdp": 1, "tensor": 1}, 0, remat="selective"), cpu)
     mesh = build_mesh(MeshConfig.from_sizes(dict(sc.plan.mesh_shape)))

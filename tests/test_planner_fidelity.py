@@ -116,7 +116,9 @@ def test_the_policy_changes_the_predicted_peak_on_a_70b_fsdp_run():
     assert peaks["full"] < 80 * 2**30
 
 
-CPU = dataclasses.replace(PROFILES["H100"], native_reduce_scatter=False, memory_bytes=None)
+CPU = dataclasses.replace(
+    PROFILES["H100"], native_reduce_scatter=False, keeps_gathered_weights=True, phase_peaks=False, memory_bytes=None
+)
 
 
 @pytest.mark.slow  # a compile of each width-true model

@@ -14,7 +14,7 @@ from openhosti_jax.planner.verify import compiled_step_bytes
 from openhosti_jax.planner.workload import workload
 
 # the CPU backend all-reduces a reduce-scattered gradient (then slices it): say so, as a calibrated profile does
-CPU = dataclasses.replace(PROFILES["H100"], native_reduce_scatter=False)
+CPU = dataclasses.replace(PROFILES["H100"], native_reduce_scatter=False, keeps_gathered_weights=True, phase_peaks=False)
 
 
 def scored(batch: int):

@@ -13,6 +13,7 @@ import pytest
 
 from openhosti_jax.errors import PlanningError
 from openhosti_jax.models.presets import gpt_shape, llama_shape, model_preset
+from openhosti_jax.planner import cost
 from openhosti_jax.planner.cluster import Cluster
 from openhosti_jax.planner.profiles import PROFILES
 from openhosti_jax.planner.recipes import layer_shape, saved_bytes
@@ -88,18 +89,24 @@ def test_a_recipe_names_known_tensors_and_its_logits():
 
 
 def test_the_cost_model_holds_a_peer_stacks_recipe_in_place_of_the_trace():
-    """Megatron-Core on 8 H100, one sequence per device, bf16, 'dots': the step's temporaries hold the recipe's bytes
-    where the same stack without a recipe holds this library's trace's."""
+    """Megatron-Core on 8 H100, one sequence per device, bf16, 'dots': the step's activations are the recipe's bytes
+    (its loss the logits at the stack's bytes per element) where the same stack without a recipe holds this
+    library's trace's."""
     tx = optax.adam(1e-3)
     gpt = gpt_shape(layers=L, d_model=H, heads=8, vocab=V, seq=S)
     work = workload(gpt.init, jax.ShapeDtypeStruct((8, S), jnp.int32))
     c = Candidate(_mesh(fsdp=8), 3, remat="dots", precision="bf16")
     mcore = STACKS["megatron-core"]
     traced = dataclasses.replace(mcore, saves={}, logits_bytes=None)
-    peer, trace = (score(work, tx, c, Cluster(PROFILES["H100"], 1, 8, s)).estimate.memory for s in (mcore, traced))
+    held = {}
+    for name, s in (("peer", mcore), ("trace", traced)):
+        plan = score(work, tx, c, Cluster(PROFILES["H100"], 1, 8, s)).plan
+        held[name] = cost._activations(cost._layout(plan, work, tx, Cluster(PROFILES["H100"], 1, 8, s), None, None))
     kept = work.policy_activations("dots", "bf16").bytes_per_example  # the trace's, per sequence
     recipe = saved_bytes(mcore, work, "dots", 2)
-    assert recipe != kept and peer["temporaries"] - trace["temporaries"] == pytest.approx(recipe - kept)
+    assert recipe != kept
+    assert held["peer"].kept == pytest.approx(recipe) and held["trace"].kept == pytest.approx(kept)
+    assert held["peer"].loss == pytest.approx(S * V * mcore.logits_bytes)  # the logits, at the stack's bytes
 
 
 def test_a_peer_stack_shards_its_optimizer_state_over_the_context_axis():

@@ -189,6 +189,8 @@ def calibrate(
             memory_curve=memory,
             launch_seconds=launch,
             native_reduce_scatter=native_rs,
+            keeps_gathered_weights=not native_rs,  # XLA:CPU's partitioner keeps them, XLA:TPU gathers again
+            phase_peaks=native_rs,
             matmul_efficiency=1.0,  # the peak is the measured matmul rate
         )
     bandwidth, latencies = {}, []
@@ -216,6 +218,8 @@ def calibrate(
         memory_curve=memory,
         launch_seconds=launch,
         native_reduce_scatter=native_rs,
+        keeps_gathered_weights=not native_rs,  # XLA:CPU's partitioner keeps them, XLA:TPU gathers again
+        phase_peaks=native_rs,
         matmul_efficiency=1.0,  # the peak is the measured matmul rate
     )
 

@@ -56,7 +56,7 @@ from jax.sharding import PartitionSpec as P
 from openhosti_jax.errors import PlanningError
 from openhosti_jax.planner.cluster import Cluster
 from openhosti_jax.planner.profiles import DeviceProfile, bus_bytes
-from openhosti_jax.planner.recipes import saved_bytes
+from openhosti_jax.planner.recipes import saved_parts
 from openhosti_jax.planner.stacks import Stack
 from openhosti_jax.planner.workload import AttentionWork, ExpertWork, PolicyActivations, Workload
 from openhosti_jax.policies.precision import precision
@@ -380,25 +380,24 @@ def _activations(lay: _Layout) -> _Activations:
     split_act = act_per_example  # every activation, after the tensor / sequence split
     policy = lay.policy
     if work.activation_bytes_per_example:  # the policy's share of the (tensor-split) activations
-<<<<<<< HEAD
         act_per_example *= policy.bytes_per_example / work.activation_bytes_per_example
     through = policy.checkpointed_per_example
-    checkpointed = act_per_example if through is None else act_per_example * through / policy.bytes_per_example
+    whole = through is None or not policy.bytes_per_example
+    checkpointed = act_per_example if whole else act_per_example * through / policy.bytes_per_example
+    peer = peer_saved_parts(lay, lay.plan.remat)  # a peer stack keeps what its own recipe does
+    if peer is not None:
+        act_per_example, remade, loss = peer
+        checkpointed = act_per_example - remade
     return _Activations(split_act, act_per_example, split_share, reshard, cuts, checkpointed, min(loss, checkpointed))
-=======
-        act_per_example *= lay.policy.bytes_per_example / work.activation_bytes_per_example
-    peer = peer_saved_bytes(lay, lay.plan.remat)  # a peer stack keeps what its own recipe does
-    return _Activations(split_act, act_per_example if peer is None else peer, split_share, reshard, cuts)
 
 
-def peer_saved_bytes(lay: _Layout, remat: str) -> float | None:
-    """The activation bytes per example a peer stack keeps under ``remat`` by its published recipe
-    (`openhosti_jax.planner.recipes.saved_bytes`, `Stack.saves`) on one device of the plan's tensor split; None where
-    the trace prices them (this library's stack, a policy the stack has no recipe for, a model without a
-    transformer layer scan)."""
+def peer_saved_parts(lay: _Layout, remat: str) -> tuple[float, float, float] | None:
+    """(the activation bytes per example a peer stack keeps under ``remat`` by its published recipe, of them one
+    layer's re-made residuals, of them the loss's logits) on one device of the plan's tensor split
+    (`openhosti_jax.planner.recipes.saved_parts`, `Stack.saves`); None where the trace prices them (this library's
+    stack, a policy the stack has no recipe for, a model without a transformer layer scan)."""
     itemsize = lay.mp.compute_dtype.itemsize
-    return saved_bytes(lay.cluster.stack, lay.work, remat, itemsize, lay.t, lay.sequence)
->>>>>>> h-mfu
+    return saved_parts(lay.cluster.stack, lay.work, remat, itemsize, lay.t, lay.sequence)
 
 
 class _Memory(NamedTuple):
@@ -440,10 +439,13 @@ def _memory(lay: _Layout, acts: _Activations) -> _Memory:
     def temporaries(act: float) -> float:  # the step's peak above the state, per pipeline stage
         kept = min(through, act) - loss  # the blocks' checkpointed values (remat "none": every residual)
         block = act - loss - kept  # one block's recomputed residuals, while its backward runs
+        if not lay.profile.phase_peaks:  # the loss's copies and a block's residuals live into every phase
+            loop = act + grads.stacked_out + grads.loop + grads.held
+            return (max(act + grads.start, loop, reduction) + accumulator + cast) / stages
         peak = max(
             kept + loss + grads.head,  # the forward's end: the loss's two copies, the output head gathered
             kept + loss / 2 + grads.start,  # the backward's start: the outputs' cotangent, the head's gradient
-            kept + block + grads.stacked_out + grads.loop,  # the layers' backward loop
+            kept + block + grads.stacked_out + grads.loop + grads.held,  # the layers' backward loop
             reduction,
         )
         return (peak + accumulator + cast) / stages
@@ -493,6 +495,9 @@ class _Gradients(NamedTuple):
     """``combined`` in its reduced layout."""
     scattered: float
     """The reduce-scattered gradients of the unstacked ZeRO-3 leaves, held from the backward on."""
+    held: float = 0.0
+    """In the layers' loop: the full gradient of the largest unstacked leaf the combined reduction takes after the
+    backward (the output head's, made at the backward's start and held to the end)."""
     head: float = 0.0
     """At the forward's end, besides the activations: the largest unstacked leaf's gathered copy (ZeRO-3; remat
     ``"none"`` keeps every leaf's where the stack's compiler holds them, `DeviceProfile.keeps_gathered_weights`)."""
@@ -503,7 +508,7 @@ def _gradients(lay: _Layout, grad_full: list[int]) -> _Gradients:
         return _pipelined_gradients(lay, grad_full)
     mp = lay.mp
     cast = mp.compute_dtype.itemsize / mp.param_dtype.itemsize if mp.compute_dtype != mp.param_dtype else 0.0
-    stacked_out, flat, combined, combined_out, scattered = 0.0, [], 0.0, 0.0, 0.0
+    stacked_out, flat, combined, combined_out, scattered, held = 0.0, [], 0.0, 0.0, 0.0, 0.0
     flat_gathered, layer_leaf, layer_gathered = 0.0, 0.0, 0.0
     kept_flat, kept_layers = 0.0, 0.0  # what remat "none" keeps of the gathered copies
     used = cast or 1.0  # a gathered copy is in the compute dtype: the parameters are cast before they are gathered
@@ -526,10 +531,12 @@ def _gradients(lay: _Layout, grad_full: list[int]) -> _Gradients:
         else:  # without a native reduce-scatter (XLA:CPU) a ZeRO-3 leaf's gradient is all-reduced whole, then sliced
             combined += g
             combined_out += lay.local_bytes(x, gs)
+            held = max(held, g)
     if lay.plan.remat == "none" and lay.profile.keeps_gathered_weights:  # the gathered weights stay to the backward
         flat_gathered, layer_gathered = kept_flat, kept_layers
     start = flat_gathered + max(flat, default=0)
-    return _Gradients(stacked_out, start, layer_gathered + layer_leaf, combined, combined_out, scattered, flat_gathered)
+    loop = layer_gathered + layer_leaf
+    return _Gradients(stacked_out, start, loop, combined, combined_out, scattered, held, flat_gathered)
 
 
 def _pipelined_gradients(lay: _Layout, grad_full: list[int]) -> _Gradients:
@@ -564,9 +571,9 @@ def _compiler_recompute(lay: _Layout, act: float, over: float) -> tuple[float, f
     if lay.cluster.stack.compiler_remat and over > 0 and plan.remat not in ("full", "offload"):
         full = lay.work.policy_activations("full", plan.precision)
         kept = full.bytes_per_example / policy.bytes_per_example if full else 1.0
-        peer, peer_full = peer_saved_bytes(lay, plan.remat), peer_saved_bytes(lay, "full")
-        if full and peer and peer_full is not None:  # the stack's own recipes, as its activations are priced
-            kept = peer_full / peer
+        peer, peer_full = peer_saved_parts(lay, plan.remat), peer_saved_parts(lay, "full")
+        if full and peer and peer[0] and peer_full is not None:  # the stack's own recipes, as its activations are
+            kept = peer_full[0] / peer[0]  # priced
         droppable = act * (1 - kept)
         if droppable > 0:
             drop = min(over * lay.stages, droppable)

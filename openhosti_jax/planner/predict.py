@@ -239,8 +239,8 @@ def predict(
     (a fixed configuration's; default: where the mesh has a tensor axis, as the planner does). A pipelined mesh
     with a tensor axis needs a stack whose stages split over it (`Stack.pipeline_tensor`), else `PlanningError`.
     ``model_flops_per_token``: the model's training FLOPs per token for the utilisation (default: the traced matmul
-    FLOPs, `model_flops_per_example`). ``compile`` (a TPU target: ``"v5p-128"``): the plan is compiled ahead of time for it
-    (`openhosti_jax.planner.aot`; libtpu needed, no TPU): `Prediction.compiled` holds the compiler's bytes and
+    FLOPs, `model_flops_per_example`). ``compile`` (a TPU target: ``"v5p-128"``): the plan is compiled ahead of time
+    for it (`openhosti_jax.planner.aot`; libtpu needed, no TPU): `Prediction.compiled` holds the compiler's bytes and
     verdict, and `Prediction.fits` follows the compiler; planned (no ``mesh``), the ranked candidates are compiled
     until one fits. A GPU cluster cannot be compiled here: the prediction says "forecast, not compiled".
     ``step_fn(state, batch)`` is the step compiled (default: the mean output as the loss)."""

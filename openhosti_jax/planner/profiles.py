@@ -77,7 +77,17 @@ class DeviceProfile:
     """Whether the compiler keeps a ZeRO-3 weight's gathered copy from the forward to the backward where no remat
     recomputes it (remat ``"none"``), rather than gathering it again. XLA:TPU gathers again: Llama-3 8B compiled
     for 64 v5p chips (fsdp=64, one 8192-token sequence each, no remat) peaks at the forward's end holding every
-    layer's residuals, the loss and the output head, no layer's gathered weights."""
+    layer's residuals, the loss and the output head, no layer's gathered weights. XLA:CPU keeps them (a calibrated
+    CPU profile says so): four layers of Llama-2 7B (fsdp=8, 1024 tokens per device) compile to 5.67 GiB, 4.08
+    GiB predicted without them, 5.58 with."""
+    phase_peaks: bool = True
+    """Whether the step's peak is the largest of its phases' (the forward's end: the loss's two output-sized copies
+    and the gathered output head; the backward's start: the outputs' cotangent and the head's gradient; the layers'
+    backward loop: one block's recomputed residuals; the gradient reduction), each holding the checkpointed
+    activations, as XLA:TPU's peaks are (Llama-3 8B on 64 v5p chips, seq 8192, remat full: 12.5 GiB at the loss
+    with the layers' inputs and the gathered head, none of the head's gradient). XLA:CPU's schedule frees less: its
+    compiled footprints hold the loss's copies and a block's residuals beside the backward's start and its loop
+    (False, a calibrated CPU profile)."""
     host_bandwidth: float = 32e9
     """Bytes/s between device and host memory one way, what remat ``"offload"`` moves its saved activations over
     (default: PCIe Gen4 x16). The H100 and H200 profiles take PCIe Gen5's 55 GB/s: an H200 step that offloaded

@@ -179,6 +179,15 @@ def saved_bytes(
     >>> saved_bytes(STACKS["openhosti"], w, "full", 2) is None  # this library's stack: its own trace
     True
     """
+    parts = saved_parts(stack, work, remat, itemsize, t, sequence)
+    return None if parts is None else parts[0]
+
+
+def saved_parts(
+    stack: Stack, work: Workload, remat: str, itemsize: int, t: int = 1, sequence: bool = False
+) -> tuple[float, float, float] | None:
+    """(`saved_bytes`, of it one layer's re-made residuals, of it the loss head's logits) per example; None as
+    `saved_bytes`."""
     names = stack.saves.get(remat)
     shape = layer_shape(work) if names is not None else None
     if names is None or shape is None or stack.logits_bytes is None:
@@ -186,4 +195,5 @@ def saved_bytes(
     per_layer = sum(_tensor_bytes(n, shape, itemsize, t, sequence) for n in names)
     remade = sum(_tensor_bytes(n, shape, itemsize, t, sequence) for n in EVERY_RESIDUAL if n not in names)
     logits = shape.vocab * stack.logits_bytes / max(t, 1)
-    return work.tokens_per_example * (shape.layers * per_layer + remade + logits)
+    n = work.tokens_per_example
+    return n * (shape.layers * per_layer + remade + logits), n * remade, n * logits
