@@ -46,7 +46,7 @@ from openhosti_jax.sharding.rules import DEFAULT_RULES, Rules
 from openhosti_jax.sharding.specs import DEFAULT_MIN_ELEMENTS, is_spec, spec_axes
 from openhosti_jax.sharding.table import format_bytes
 from openhosti_jax.sharding.tensor import base_specs
-from openhosti_jax.sharding.zero import ZERO_AXES, Optimizer, zero_specs
+from openhosti_jax.sharding.zero import ZERO_AXES, Optimizer, opt_state_specs, zero_specs
 from openhosti_jax.sizes import divisors, tree_bytes
 from openhosti_jax.state.contracts import ApplyFn
 
@@ -260,17 +260,15 @@ def score(
         plan, base, sharded, tx = cache[key]
         plan = dataclasses.replace(plan, remat=candidate.remat, num_microbatches=microbatches)
         return Scored(candidate, plan, estimate(plan, work, tx, profile, base, sharded))
-    treedef = jax.tree.structure(work.params)
-    base = jax.tree.unflatten(treedef, base_specs(work.params, sizes, rules))
     tx = optimizer_for(tx, candidate.precision)
-    plan = ShardingPlan.from_zero(
-        work.params,
-        tx,
-        sizes,
-        candidate.zero_stage,
-        base_specs=base,
-        min_elements=min_elements,
-        zero_axes=candidate.zero_axes,
+    base, sharded, opt = _mesh_specs(work, tx, candidate, rules, min_elements, sharded_specs, cache)
+    stage = candidate.zero_stage
+    plan = ShardingPlan(  # `ShardingPlan.from_zero`'s specs, made once per mesh shape and ZeRO axes
+        {a: int(sizes.get(a, 1)) for a in AXES},
+        sharded if stage >= 3 else base,
+        sharded if stage >= 2 else base,
+        opt,
+        zero_stage=stage,
         pipeline_stages=sizes["stage"],
         remat=candidate.remat,
         precision=candidate.precision,
@@ -280,17 +278,45 @@ def score(
         sequence_parallel=candidate.sequence_parallel,
         collective_matmul=collective_matmul(candidate, profile),
     )
-    if plan.zero_stage == 3:
-        sharded = plan.param_specs
-    elif sharded_specs is not None:
-        sharded = sharded_specs
-    else:
-        sharded = zero_specs(
-            work.params, tx, sizes, 3, base_specs=base, axes=candidate.zero_axes, min_elements=min_elements
-        )[0]
     if cache is not None:
         cache[key] = (plan, base, sharded, tx)
     return Scored(candidate, plan, estimate(plan, work, tx, profile, base, sharded))
+
+
+def _mesh_specs(
+    work: Workload,
+    tx: Optimizer,
+    candidate: Candidate,
+    rules: Rules,
+    min_elements: int,
+    sharded_specs: Any | None,
+    cache: dict | None,
+) -> tuple[Any, Any, Any]:
+    """(base specs, fully ZeRO-sharded specs, optimizer-state specs) of ``candidate``, each made once per mesh shape
+    (and ZeRO axes, and optimizer ``tx``) in ``cache``: a search's candidates share them across ZeRO stages,
+    precisions and policies (``ShardingPlan.from_zero`` would derive them again for each)."""
+    cache = {} if cache is None else cache
+    sizes = {a: int(candidate.mesh_shape.get(a, 1)) for a in AXES}
+    shape = tuple(sizes.items())
+    if ("base", shape, id(rules)) not in cache:
+        treedef = jax.tree.structure(work.params)
+        cache["base", shape, id(rules)] = (rules, jax.tree.unflatten(treedef, base_specs(work.params, sizes, rules)))
+    base = cache["base", shape, id(rules)][1]
+    group = ("sharded", shape, id(rules), candidate.zero_axes, min_elements)
+    if group not in cache:
+        cache[group] = (
+            sharded_specs
+            if sharded_specs is not None
+            else zero_specs(
+                work.params, None, sizes, 3, base_specs=base, axes=candidate.zero_axes, min_elements=min_elements
+            )[0]
+        )
+    sharded = cache[group]
+    leaf = sharded if candidate.zero_stage >= 1 else base
+    opt = ("opt", group, id(tx), candidate.zero_stage >= 1)
+    if opt not in cache:
+        cache[opt] = (tx, opt_state_specs(tx, work.params, leaf))
+    return base, sharded, cache[opt][1]
 
 
 def pipeline_microbatches(work: Workload, candidate: Candidate) -> int:
