@@ -246,9 +246,9 @@ class _Layout:
         """The devices' profile."""
         return self.cluster.profile
 
-    @property
+    @functools.cached_property
     def dp(self) -> int:
-        """Data-parallel replicas."""
+        """Data-parallel replicas (read many times per estimate: kept)."""
         return self.plan.data_parallel_size
 
     @property
@@ -317,9 +317,7 @@ def _layout(
     full = mp.compute_dtype.itemsize > 2
     if (on is not None and cluster.profile.name not in on) or (stack.attention_half_only and full):
         # the stack's attention kernel does not run on this device or in this precision: plain fused XLA ops
-        cluster = dataclasses.replace(
-            cluster, stack=dataclasses.replace(stack, causal_skip=False, attention_efficiency=None)
-        )
+        cluster = _plain_attention(cluster)
     params = work.memo(("params", plan.precision), lambda: jax.tree.leaves(mp.cast_to_param(work.params)))
     policy = work.policy_activations(plan.remat, plan.precision)
     if policy is None:
@@ -352,6 +350,22 @@ def _layout(
         names,
         imbalance,
     )
+
+
+_PLAIN: dict[int, tuple[Cluster, Cluster]] = {}
+
+
+def _plain_attention(cluster: Cluster) -> Cluster:
+    """``cluster`` whose stack runs attention as plain fused XLA ops (no kernel's causal skip or rate), made once
+    for the last few clusters (held, so their ids stay theirs): its collective prices are remembered
+    (`Cluster.collective_seconds`) across a search's estimates."""
+    held = _PLAIN.get(id(cluster))
+    if held is None or held[0] is not cluster:
+        if len(_PLAIN) >= 64:
+            del _PLAIN[next(iter(_PLAIN))]
+        stack = dataclasses.replace(cluster.stack, causal_skip=False, attention_efficiency=None)
+        held = _PLAIN[id(cluster)] = (cluster, dataclasses.replace(cluster, stack=stack))
+    return held[1]
 
 
 class _Activations(NamedTuple):
@@ -537,6 +551,7 @@ class _Collectives:
         self.seconds = {"gather": 0.0, "grad": 0.0, "tensor": 0.0, "expert": 0.0}
         self.bus_bytes = 0.0
         self._gradients: dict[tuple[str, tuple[str, ...]], float] = {}
+        self._log: list[tuple[str, float, float]] | None = None
 
     def add(self, kind: str, nbytes: float, axes: tuple[str, ...], messages: float = 1.0, what: str = "gather") -> None:
         """``nbytes`` (the replica's, of which a stage moves its share) over ``axes`` in ``messages`` equal
@@ -546,8 +561,12 @@ class _Collectives:
         nbytes /= stages  # every collective is per layer: a stage's devices move their layers' share
         if n > 1 and nbytes > 0:
             count = max(messages / stages, 1.0)
-            self.seconds[what] += count * self.lay.cluster.collective_seconds(kind, nbytes / count, sizes, axes)
-            self.bus_bytes += bus_bytes(kind, nbytes, n)
+            seconds = count * self.lay.cluster.collective_seconds(kind, nbytes / count, sizes, axes)
+            sent = bus_bytes(kind, nbytes, n)
+            self.seconds[what] += seconds
+            self.bus_bytes += sent
+            if self._log is not None:
+                self._log.append((what, seconds, sent))
 
     def reduce_gradient(self, kind: str, nbytes: float, axes: tuple[str, ...]) -> None:
         """A gradient reduction, combined with the others of its kind and group (XLA's combiners fuse them)."""
@@ -559,14 +578,42 @@ class _Collectives:
         for (kind, axes), size in self._gradients.items():
             self.add(kind, size, axes, what="grad")
 
+    def replay(self, part: tuple, reads: tuple, add: Any) -> Any:
+        """``add()``'s result, its collectives added as ``add`` adds them, priced once per ``part`` (hashable values)
+        and the objects it ``reads`` (held with the prices, so their ids stay theirs) on this cluster's devices: a
+        search prices the same parameter collectives for every remat policy and microbatch count of a family, and
+        the same tensor-parallel ones for every ZeRO stage of a mesh. The seconds and bytes are summed in the order
+        ``add`` sums them (the same floating-point result)."""
+        lay = self.lay
+        reads = (lay.profile, *reads)
+        store = lay.work.memo(("collectives",), dict)
+        key = (*part, lay.cluster.hosts, lay.cluster.devices_per_host, lay.sizes_key, *map(id, reads))
+        held = store.get(key)
+        if held is None or any(a is not b for a, b in zip(held[0], reads, strict=True)):
+            self._log = []
+            result = add()
+            held = store[key] = (reads, self._log, result)
+            self._log = None
+            return result
+        for what, seconds, sent in held[1]:
+            self.seconds[what] += seconds
+            self.bus_bytes += sent
+        return held[2]
+
 
 def _communication(lay: _Layout, acts: _Activations) -> tuple[_Collectives, float]:
     """(the step's collectives, the parameter bytes each device updates)."""
     comm = _Collectives(lay)
-    updated = _parameter_collectives(lay, comm)
-    comm.add_gradient_reductions()
+
+    def parameters() -> float:
+        updated = _parameter_collectives(lay, comm)
+        comm.add_gradient_reductions()
+        return updated
+
+    reads, spec = (lay.params, lay.base, lay.names), lay.plan.batch_spec
+    updated = comm.replay(("parameters", lay.plan.zero_stage, spec), (*reads, lay.sharded), parameters)
     if lay.t > 1:
-        _tensor_collectives(lay, acts, comm)
+        comm.replay(("tensor", lay.k, lay.sequence, spec), reads, lambda: _tensor_collectives(lay, acts, comm))
     if lay.context > 1:
         _context_collectives(lay, comm)
     if lay.expert > 1:
