@@ -798,24 +798,63 @@ def _memory_traffic(
     return mem_bytes
 
 
+def _matmul_work(lay: _Layout, acts: _Activations, factor: float) -> tuple[float, float, AttentionWork | None]:
+    """(the share of a replica's per-example work one device does, the step's matmul FLOPs on one device with the
+    FLOPs factor ``factor``, the attention work where the stack prices it apart)."""
+    stack = lay.cluster.stack
+    split = 1 - acts.split_share + acts.split_share / lay.t
+    flops = lay.work.flops_per_example * lay.b_local * split * factor
+    if lay.stages > 1:  # the pipeline's backward recomputes its chunk's forward from the stored input
+        flops *= 4 / 3
+    priced_apart = stack.causal_skip or stack.attention_efficiency is not None or not stack.fused
+    aw = lay.work.attention_work() if priced_apart or not stack.flash_attention else None
+    return split, flops, aw
+
+
+def matmul_seconds(
+    plan: ShardingPlan,
+    work: Workload,
+    tx: Optimizer,
+    profile: DeviceProfile | Cluster,
+    base_specs: Any | None = None,
+    sharded_specs: Any | None = None,
+) -> float:
+    """The per-device seconds of ``plan``'s matmuls at FLOPs factor 1: `estimate`'s ``time["compute"]`` over its
+    ``flops_factor`` (up to rounding), without pricing the rest. The step of the same mesh shape and precision
+    with any ZeRO stage, remat policy and at least as many microbatches takes at least this times its FLOPs
+    factor (`openhosti_jax.planner.prune`): it adds memory, the bubble and collectives to its matmuls, which
+    scale with the factor, and a smaller microbatch's matmuls run no faster (`DeviceProfile.matmul_curve` is
+    non-decreasing in size)."""
+    lay = _layout(plan, work, tx, profile, base_specs, sharded_specs)
+    acts = _activations(lay)
+    _, flops, aw = _matmul_work(lay, acts, 1.0)
+    return _compute_seconds(lay, acts, flops, aw) / lay.stages
+
+
+def bubble_factor(stages: int, microbatches: int, virtual: int = 1) -> float:
+    """A pipeline stage's step time over its work: 1 plus its idle ticks, ``(S - 1) / (V max(M, S))`` for S
+    ``stages`` of V ``virtual`` (interleaved) chunks each and M ``microbatches`` (Narayanan et al. 2021: interleaving
+    divides the fill and drain by V); 1 without a pipeline.
+
+    >>> bubble_factor(4, 16), bubble_factor(4, 16, virtual=3), bubble_factor(1, 8)
+    (1.1875, 1.0625, 1.0)
+    """
+    if stages <= 1:
+        return 1.0
+    return 1.0 + (stages - 1) / (virtual * max(microbatches, stages))
+
+
 def _step_time(lay: _Layout, acts: _Activations, mem: _Memory, comm: _Collectives, updated: float) -> dict[str, float]:
     """Seconds per step by part, per device: a stage does 1/S of its replica's work and waits in the bubble; the
     collectives hide under the work where the compiler overlaps them, except those the stack cannot overlap."""
     plan, profile, stack, stages = lay.plan, lay.profile, lay.cluster.stack, lay.stages
-    split = 1 - acts.split_share + acts.split_share / lay.t  # the share of a replica's per-example work one device does
-    flops = lay.work.flops_per_example * lay.b_local * split * mem.flops_factor
-    if stages > 1:  # the pipeline's backward recomputes its chunk's forward from the stored input
-        flops *= 4 / 3
-    priced_apart = stack.causal_skip or stack.attention_efficiency is not None or not stack.fused
-    aw = lay.work.attention_work() if priced_apart or not stack.flash_attention else None
+    split, flops, aw = _matmul_work(lay, acts, mem.flops_factor)
     compute = _compute_seconds(lay, acts, flops, aw)
     mem_bytes = _memory_traffic(lay, acts, mem, aw, split, updated)
     offload = 2 * lay.policy.host_bytes_per_example * lay.b_local / profile.host_bandwidth  # to the host and back
     bandwidth = profile.memory_seconds(mem_bytes, mem.parts["total"])  # a small step streams from the caches
-    bubble = 1.0
-    if stages > 1:  # interleaving V chunks per stage divides the fill and drain by V (Narayanan et al. 2021)
-        virtual = plan.pipeline_virtual if plan.pipeline_schedule == "interleaved" else 1
-        bubble += (stages - 1) / (virtual * max(plan.num_microbatches, stages))
+    virtual = plan.pipeline_virtual if plan.pipeline_schedule == "interleaved" else 1
+    bubble = bubble_factor(stages, plan.num_microbatches, virtual)
     # each further microbatch is one more trip through the accumulation loop (a launch's fixed cost)
     launches = 1 if stages > 1 else lay.k  # a pipeline's microbatches are ticks of one program
     work_s = (compute + bandwidth + offload) / stages * bubble

@@ -147,6 +147,7 @@ def predict(
     pipeline: bool = True,
     model_flops_per_token: float | None = None,
     memory_budget: int | None = None,
+    exhaustive: bool = False,
 ) -> Prediction:
     """The `Prediction` for training ``model`` (an nnx module, linen module or init function, built abstractly:
     nothing is allocated) with ``optimizer`` on a global batch shaped like ``sample_batch`` over ``where`` (a
@@ -167,7 +168,8 @@ def predict(
     (a fixed configuration's; default: where the mesh has a tensor axis, as the planner does). A pipelined mesh
     with a tensor axis needs a stack whose stages split over it (`Stack.pipeline_tensor`), else `PlanningError`.
     ``model_flops_per_token``: the model's training FLOPs per token for the utilisation (default: the traced matmul
-    FLOPs)."""
+    FLOPs). ``exhaustive``: the planner scores every candidate rather than skip those that provably cannot fit or
+    win (the same choice, `openhosti_jax.planner.prune`)."""
     c = cluster(where)
     tx = optimizer
     work = workload(model, sample_batch)
@@ -185,6 +187,7 @@ def predict(
             precision=precision or "auto",
             memory_budget=budget,
             accumulate=True,
+            exhaustive=exhaustive,
         )
         parts = report.predicted_parts or {}
         seconds, nbytes = float(report.predicted_seconds or 0.0), float(report.predicted_bytes or 0)
