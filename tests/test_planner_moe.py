@@ -215,8 +215,14 @@ def test_planner_ranks_expert_meshes_for_mixtral():
     from openhosti_jax.planner.choose import choose_plan
 
     p = model_preset("mixtral-8x7b", seq_len=4096)
-    _, report = choose_plan(
-        p.init, optax.adamw(1e-4), p.sample_batch(256), cluster=cluster("64xH100"), remat="auto", precision="auto"
+    _, report = choose_plan(  # exhaustive: the ranking of every candidate (a pruned one lists those that can win)
+        p.init,
+        optax.adamw(1e-4),
+        p.sample_batch(256),
+        cluster=cluster("64xH100"),
+        remat="auto",
+        precision="auto",
+        exhaustive=True,
     )
     labels = [r.label for r in report.candidates]
     for e in (2, 4, 8):  # every expert axis that divides the 8 experts and fits in a host of 8

@@ -28,6 +28,7 @@ from openhosti_jax.planner.calibrate import device_profile as resolve_profile
 from openhosti_jax.planner.cluster import Cluster
 from openhosti_jax.planner.cluster import cluster as resolve_cluster
 from openhosti_jax.planner.profiles import PROFILES, DeviceProfile
+from openhosti_jax.planner.prune import pruned_search
 from openhosti_jax.planner.refine import MEASURED_TIE, measured_order, time_plans
 from openhosti_jax.planner.search import (
     context_sizes,
@@ -76,6 +77,7 @@ def choose_plan(
     cluster: Cluster | str | None = None,
     accumulate: bool | None = None,
     compile: bool = False,
+    exhaustive: bool = False,
 ) -> tuple[ShardingPlan, PlanReport]:
     """(plan, report): the best `ShardingPlan` for training ``init_fn_or_model`` with ``optimizer`` on ``devices``.
 
@@ -96,6 +98,9 @@ def choose_plan(
     nothing is compiled (the plan is as predicted).
     ``accumulate``: whether plans may accumulate gradients over microbatches (default: where ``step_fn`` reads the
     microbatch count, as `openhosti_jax.make_train_step`'s steps do); True with a step that does not is an error.
+    ``exhaustive``: score every candidate; by default a plan taken on its prediction (a ``cluster``, or nothing to
+    compile) skips those that provably cannot fit or win (`openhosti_jax.planner.prune`: the same winner), and
+    one that is compiled or timed scores them all (the next ones by rank are its fallbacks).
     Raises `MemoryBudgetError` when nothing fits, naming the smallest achievable memory.
     """
     if not isinstance(refine, int) or refine < 0:
@@ -142,11 +147,15 @@ def choose_plan(
             "not read the microbatch count; build it with openhosti_jax.make_train_step, or leave accumulate unset"
         )
     accumulates = reads_count if accumulate is None else accumulate
-    scored = search(
+    can_compile = verify and (step_fn is not None or work.apply_fn is not None)
+    pruned = not (exhaustive or can_compile or target is not None)  # compiled plans fall back on the next by rank
+    scored = (pruned_search if pruned else search)(
         work, optimizer, candidates, where, rules=rules, memory_budget=budget, remats=remats, accumulates=accumulates
     )
     ranked = rank(scored, budget)
     notes = list(why(ranked, scored, budget))
+    if pruned:
+        notes.append("pruned: candidates that provably cannot fit or win were not scored (exhaustive=True scores all)")
     notes.append(f"device profile: {profile.name}; memory budget: {source}")
     if isinstance(where, Cluster) and target is None:
         notes.append(
@@ -156,7 +165,6 @@ def choose_plan(
     if work.apply_fn is None:
         notes.append("no apply function: activations and FLOPs unknown, chosen on state memory and traffic")
     winner, compiled = ranked[0], None
-    can_compile = verify and (step_fn is not None or work.apply_fn is not None)
     top = []
     if refine and can_compile:
         top = [s for s in ranked[:refine] if s.plan.pipeline_stages == 1]

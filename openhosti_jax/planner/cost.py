@@ -247,9 +247,9 @@ class _Layout:
         """The devices' profile."""
         return self.cluster.profile
 
-    @property
+    @functools.cached_property
     def dp(self) -> int:
-        """Data-parallel replicas."""
+        """Data-parallel replicas (read many times per estimate: kept)."""
         return self.plan.data_parallel_size
 
     @property
@@ -314,9 +314,7 @@ def _layout(
     sizes = {a: int(n) for a, n in plan.mesh_shape.items()}
     cluster = profile if isinstance(profile, Cluster) else Cluster(profile, 1, math.prod(sizes.values()))
     mp = precision(plan.precision)
-    stack = cluster.stack.on(cluster.profile.name, mp.compute_dtype.itemsize <= 2)  # the kernel this device runs
-    if stack is not cluster.stack:
-        cluster = dataclasses.replace(cluster, stack=stack)
+    cluster = _attention_as_run(cluster, mp.compute_dtype.itemsize <= 2)  # the kernel this device runs
     params = work.memo(("params", plan.precision), lambda: jax.tree.leaves(mp.cast_to_param(work.params)))
     policy = work.policy_activations(plan.remat, plan.precision)
     if policy is None:
@@ -349,6 +347,24 @@ def _layout(
         names,
         imbalance,
     )
+
+
+_PLAIN: dict[tuple[int, bool], tuple[Cluster, Cluster]] = {}
+
+
+def _attention_as_run(cluster: Cluster, half: bool) -> Cluster:
+    """``cluster`` whose stack runs attention as it does on its devices in half precision (``half``) or not
+    (`Stack.on`: a kernel where it runs, else plain fused XLA ops), made once for the last few clusters (held, so
+    their ids stay theirs): its collective prices are remembered (`Cluster.collective_seconds`) across a search's
+    estimates."""
+    key = (id(cluster), half)
+    held = _PLAIN.get(key)
+    if held is None or held[0] is not cluster:
+        if len(_PLAIN) >= 64:
+            del _PLAIN[next(iter(_PLAIN))]
+        stack = cluster.stack.on(cluster.profile.name, half)
+        held = _PLAIN[key] = (cluster, cluster if stack == cluster.stack else dataclasses.replace(cluster, stack=stack))
+    return held[1]
 
 
 class _Activations(NamedTuple):
@@ -592,6 +608,7 @@ class _Collectives:
         self.seconds = {"gather": 0.0, "grad": 0.0, "tensor": 0.0, "expert": 0.0}
         self.bus_bytes = 0.0
         self._gradients: dict[tuple[str, tuple[str, ...]], float] = {}
+        self._log: list[tuple[str, float, float]] | None = None
 
     def add(self, kind: str, nbytes: float, axes: tuple[str, ...], messages: float = 1.0, what: str = "gather") -> None:
         """``nbytes`` (the replica's, of which a stage moves its share) over ``axes`` in ``messages`` equal
@@ -601,8 +618,12 @@ class _Collectives:
         nbytes /= stages  # every collective is per layer: a stage's devices move their layers' share
         if n > 1 and nbytes > 0:
             count = max(messages / stages, 1.0)
-            self.seconds[what] += count * self.lay.cluster.collective_seconds(kind, nbytes / count, sizes, axes)
-            self.bus_bytes += bus_bytes(kind, nbytes, n)
+            seconds = count * self.lay.cluster.collective_seconds(kind, nbytes / count, sizes, axes)
+            sent = bus_bytes(kind, nbytes, n)
+            self.seconds[what] += seconds
+            self.bus_bytes += sent
+            if self._log is not None:
+                self._log.append((what, seconds, sent))
 
     def reduce_gradient(self, kind: str, nbytes: float, axes: tuple[str, ...]) -> None:
         """A gradient reduction, combined with the others of its kind and group (XLA's combiners fuse them)."""
@@ -614,14 +635,42 @@ class _Collectives:
         for (kind, axes), size in self._gradients.items():
             self.add(kind, size, axes, what="grad")
 
+    def replay(self, part: tuple, reads: tuple, add: Any) -> Any:
+        """``add()``'s result, its collectives added as ``add`` adds them, priced once per ``part`` (hashable values)
+        and the objects it ``reads`` (held with the prices, so their ids stay theirs) on this cluster's devices: a
+        search prices the same parameter collectives for every remat policy and microbatch count of a family, and
+        the same tensor-parallel ones for every ZeRO stage of a mesh. The seconds and bytes are summed in the order
+        ``add`` sums them (the same floating-point result)."""
+        lay = self.lay
+        reads = (lay.profile, *reads)
+        store = lay.work.memo(("collectives",), dict)
+        key = (*part, lay.cluster.hosts, lay.cluster.devices_per_host, lay.sizes_key, *map(id, reads))
+        held = store.get(key)
+        if held is None or any(a is not b for a, b in zip(held[0], reads, strict=True)):
+            self._log = []
+            result = add()
+            held = store[key] = (reads, self._log, result)
+            self._log = None
+            return result
+        for what, seconds, sent in held[1]:
+            self.seconds[what] += seconds
+            self.bus_bytes += sent
+        return held[2]
+
 
 def _communication(lay: _Layout, acts: _Activations) -> tuple[_Collectives, float]:
     """(the step's collectives, the parameter bytes each device updates)."""
     comm = _Collectives(lay)
-    updated = _parameter_collectives(lay, comm)
-    comm.add_gradient_reductions()
+
+    def parameters() -> float:
+        updated = _parameter_collectives(lay, comm)
+        comm.add_gradient_reductions()
+        return updated
+
+    reads, spec = (lay.params, lay.base, lay.names), lay.plan.batch_spec
+    updated = comm.replay(("parameters", lay.plan.zero_stage, spec), (*reads, lay.sharded), parameters)
     if lay.t > 1:
-        _tensor_collectives(lay, acts, comm)
+        comm.replay(("tensor", lay.k, lay.sequence, spec), reads, lambda: _tensor_collectives(lay, acts, comm))
     if lay.context > 1:
         _context_collectives(lay, comm)
     if lay.expert > 1:
@@ -806,24 +855,63 @@ def _memory_traffic(
     return mem_bytes
 
 
+def _matmul_work(lay: _Layout, acts: _Activations, factor: float) -> tuple[float, float, AttentionWork | None]:
+    """(the share of a replica's per-example work one device does, the step's matmul FLOPs on one device with the
+    FLOPs factor ``factor``, the attention work where the stack prices it apart)."""
+    stack = lay.cluster.stack
+    split = 1 - acts.split_share + acts.split_share / lay.t
+    flops = lay.work.flops_per_example * lay.b_local * split * factor
+    if lay.stages > 1:  # the pipeline's backward recomputes its chunk's forward from the stored input
+        flops *= 4 / 3
+    priced_apart = stack.causal_skip or stack.attention_efficiency is not None or not stack.fused
+    aw = lay.work.attention_work() if priced_apart or not stack.flash_attention else None
+    return split, flops, aw
+
+
+def matmul_seconds(
+    plan: ShardingPlan,
+    work: Workload,
+    tx: Optimizer,
+    profile: DeviceProfile | Cluster,
+    base_specs: Any | None = None,
+    sharded_specs: Any | None = None,
+) -> float:
+    """The per-device seconds of ``plan``'s matmuls at FLOPs factor 1: `estimate`'s ``time["compute"]`` over its
+    ``flops_factor`` (up to rounding), without pricing the rest. The step of the same mesh shape and precision
+    with any ZeRO stage, remat policy and at least as many microbatches takes at least this times its FLOPs
+    factor (`openhosti_jax.planner.prune`): it adds memory, the bubble and collectives to its matmuls, which
+    scale with the factor, and a smaller microbatch's matmuls run no faster (`DeviceProfile.matmul_curve` is
+    non-decreasing in size)."""
+    lay = _layout(plan, work, tx, profile, base_specs, sharded_specs)
+    acts = _activations(lay)
+    _, flops, aw = _matmul_work(lay, acts, 1.0)
+    return _compute_seconds(lay, acts, flops, aw) / lay.stages
+
+
+def bubble_factor(stages: int, microbatches: int, virtual: int = 1) -> float:
+    """A pipeline stage's step time over its work: 1 plus its idle ticks, ``(S - 1) / (V max(M, S))`` for S
+    ``stages`` of V ``virtual`` (interleaved) chunks each and M ``microbatches`` (Narayanan et al. 2021: interleaving
+    divides the fill and drain by V); 1 without a pipeline.
+
+    >>> bubble_factor(4, 16), bubble_factor(4, 16, virtual=3), bubble_factor(1, 8)
+    (1.1875, 1.0625, 1.0)
+    """
+    if stages <= 1:
+        return 1.0
+    return 1.0 + (stages - 1) / (virtual * max(microbatches, stages))
+
+
 def _step_time(lay: _Layout, acts: _Activations, mem: _Memory, comm: _Collectives, updated: float) -> dict[str, float]:
     """Seconds per step by part, per device: a stage does 1/S of its replica's work and waits in the bubble; the
     collectives hide under the work where the compiler overlaps them, except those the stack cannot overlap."""
     plan, profile, stack, stages = lay.plan, lay.profile, lay.cluster.stack, lay.stages
-    split = 1 - acts.split_share + acts.split_share / lay.t  # the share of a replica's per-example work one device does
-    flops = lay.work.flops_per_example * lay.b_local * split * mem.flops_factor
-    if stages > 1:  # the pipeline's backward recomputes its chunk's forward from the stored input
-        flops *= 4 / 3
-    priced_apart = stack.causal_skip or stack.attention_efficiency is not None or not stack.fused
-    aw = lay.work.attention_work() if priced_apart or not stack.flash_attention else None
+    split, flops, aw = _matmul_work(lay, acts, mem.flops_factor)
     compute = _compute_seconds(lay, acts, flops, aw)
     mem_bytes = _memory_traffic(lay, acts, mem, aw, split, updated)
     offload = 2 * lay.policy.host_bytes_per_example * lay.b_local / profile.host_bandwidth  # to the host and back
     bandwidth = profile.memory_seconds(mem_bytes, mem.parts["total"])  # a small step streams from the caches
-    bubble = 1.0
-    if stages > 1:  # interleaving V chunks per stage divides the fill and drain by V (Narayanan et al. 2021)
-        virtual = plan.pipeline_virtual if plan.pipeline_schedule == "interleaved" else 1
-        bubble += (stages - 1) / (virtual * max(plan.num_microbatches, stages))
+    virtual = plan.pipeline_virtual if plan.pipeline_schedule == "interleaved" else 1
+    bubble = bubble_factor(stages, plan.num_microbatches, virtual)
     # each further microbatch is one more trip through the accumulation loop (a launch's fixed cost)
     launches = 1 if stages > 1 else lay.k  # a pipeline's microbatches are ticks of one program
     work_s = (compute + bandwidth + offload) / stages * bubble

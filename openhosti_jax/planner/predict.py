@@ -219,6 +219,7 @@ def predict(
     memory_budget: int | None = None,
     compile: bool = False,
     step_fn: StepFn | None = None,
+    exhaustive: bool = False,
 ) -> Prediction:
     """The `Prediction` for training ``model`` (an nnx module, linen module or init function, built abstractly:
     nothing is allocated) with ``optimizer`` on a global batch shaped like ``sample_batch`` over ``where`` (a
@@ -243,7 +244,9 @@ def predict(
     for it (`openhosti_jax.planner.aot`; libtpu needed, no TPU): `Prediction.compiled` holds the compiler's bytes and
     verdict, and `Prediction.fits` follows the compiler; planned (no ``mesh``), the ranked candidates are compiled
     until one fits. A GPU cluster cannot be compiled here: the prediction says "forecast, not compiled".
-    ``step_fn(state, batch)`` is the step compiled (default: the mean output as the loss)."""
+    ``step_fn(state, batch)`` is the step compiled (default: the mean output as the loss). ``exhaustive``: the
+    planner scores every candidate rather than skip those that provably cannot fit or win (the same choice,
+    `openhosti_jax.planner.prune`)."""
     c = cluster(where)
     target = tpu_target(where) if compile and not isinstance(where, Cluster) and is_tpu_target(where) else None
     checked: CompiledCheck | None = None
@@ -265,6 +268,7 @@ def predict(
             accumulate=True,
             compile=compile,
             step_fn=step_fn,
+            exhaustive=exhaustive,
         )
         parts = report.predicted_parts or {}
         if compile and target is not None:

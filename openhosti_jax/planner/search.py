@@ -46,7 +46,7 @@ from openhosti_jax.sharding.rules import DEFAULT_RULES, Rules
 from openhosti_jax.sharding.specs import DEFAULT_MIN_ELEMENTS, is_spec, spec_axes
 from openhosti_jax.sharding.table import format_bytes
 from openhosti_jax.sharding.tensor import base_specs
-from openhosti_jax.sharding.zero import ZERO_AXES, Optimizer, zero_specs
+from openhosti_jax.sharding.zero import ZERO_AXES, Optimizer, opt_state_specs, zero_specs
 from openhosti_jax.sizes import divisors, tree_bytes
 from openhosti_jax.state.contracts import ApplyFn
 
@@ -245,32 +245,51 @@ def score(
     """The plan and predicted cost of one candidate (``sharded_specs``: its fully ZeRO-sharded parameter specs,
     when already known for its mesh shape; ``cache``: a dict in which the specs of candidates that differ only in
     remat policy and microbatch count are made once)."""
+    candidate, plan, base, sharded, tx = plan_for(
+        work, tx, candidate, profile, rules=rules, min_elements=min_elements, sharded_specs=sharded_specs, cache=cache
+    )
+    return Scored(candidate, plan, estimate(plan, work, tx, profile, base, sharded))
+
+
+def plan_for(
+    work: Workload,
+    tx: Optimizer,
+    candidate: Candidate,
+    profile: DeviceProfile | Cluster,
+    *,
+    rules: Rules = DEFAULT_RULES,
+    min_elements: int = DEFAULT_MIN_ELEMENTS,
+    sharded_specs: Any | None = None,
+    cache: dict | None = None,
+    state: bool = True,
+) -> tuple[Candidate, ShardingPlan, Any, Any, Optimizer]:
+    """What `score` prices for ``candidate`` (same arguments): (the candidate as planned, its plan, its base specs,
+    its fully ZeRO-sharded specs, the optimizer its precision runs). ``state=False``: a plan of the specs before
+    ZeRO alone and no optimizer-state specs (all that pricing its matmuls reads, `cost.matmul_seconds`)."""
     sizes = candidate.mesh_shape
     stack = profile.stack if isinstance(profile, Cluster) else STACKS["openhosti"]
     if candidate.sequence_parallel and sizes.get("context", 1) > 1 and not stack.context_sequence_parallel:
         if not collective_matmul(candidate, profile):  # the stack runs this split only with collective matmuls
             candidate = dataclasses.replace(candidate, sequence_parallel=False)
-    microbatches = (
-        candidate.microbatches
-        if sizes["stage"] == 1 or candidate.microbatches > 1
-        else pipeline_microbatches(work, candidate)
-    )
+    microbatches = microbatches_of(work, candidate)
     key = _family(candidate)
     if cache is not None and key in cache:
         plan, base, sharded, tx = cache[key]
         plan = dataclasses.replace(plan, remat=candidate.remat, num_microbatches=microbatches)
-        return Scored(candidate, plan, estimate(plan, work, tx, profile, base, sharded))
-    treedef = jax.tree.structure(work.params)
-    base = jax.tree.unflatten(treedef, base_specs(work.params, sizes, rules))
+        return candidate, plan, base, sharded, tx
     tx = optimizer_for(tx, candidate.precision)
-    plan = ShardingPlan.from_zero(
-        work.params,
-        tx,
-        sizes,
-        candidate.zero_stage,
-        base_specs=base,
-        min_elements=min_elements,
-        zero_axes=candidate.zero_axes,
+    if state:
+        base, sharded, opt = _mesh_specs(work, tx, candidate, rules, min_elements, sharded_specs, cache)
+    else:
+        base = _base(work, candidate, rules, {} if cache is None else cache)
+        sharded, opt = base, None
+    stage = candidate.zero_stage if state else 0
+    plan = ShardingPlan(  # `ShardingPlan.from_zero`'s specs, made once per mesh shape and ZeRO axes
+        {a: int(sizes.get(a, 1)) for a in AXES},
+        sharded if stage >= 3 else base,
+        sharded if stage >= 2 else base,
+        opt,
+        zero_stage=stage,
         pipeline_stages=sizes["stage"],
         remat=candidate.remat,
         precision=candidate.precision,
@@ -280,17 +299,59 @@ def score(
         sequence_parallel=candidate.sequence_parallel,
         collective_matmul=collective_matmul(candidate, profile),
     )
-    if plan.zero_stage == 3:
-        sharded = plan.param_specs
-    elif sharded_specs is not None:
-        sharded = sharded_specs
-    else:
-        sharded = zero_specs(
-            work.params, tx, sizes, 3, base_specs=base, axes=candidate.zero_axes, min_elements=min_elements
-        )[0]
-    if cache is not None:
+    if cache is not None and state:
         cache[key] = (plan, base, sharded, tx)
-    return Scored(candidate, plan, estimate(plan, work, tx, profile, base, sharded))
+    return candidate, plan, base, sharded, tx
+
+
+def _mesh_specs(
+    work: Workload,
+    tx: Optimizer,
+    candidate: Candidate,
+    rules: Rules,
+    min_elements: int,
+    sharded_specs: Any | None,
+    cache: dict | None,
+) -> tuple[Any, Any, Any]:
+    """(base specs, fully ZeRO-sharded specs, optimizer-state specs) of ``candidate``, each made once per mesh shape
+    (and ZeRO axes, and optimizer ``tx``) in ``cache``: a search's candidates share them across ZeRO stages,
+    precisions and policies (``ShardingPlan.from_zero`` would derive them again for each)."""
+    cache = {} if cache is None else cache
+    sizes = {a: int(candidate.mesh_shape.get(a, 1)) for a in AXES}
+    shape = tuple(sizes.items())
+    base = _base(work, candidate, rules, cache)
+    group = ("sharded", shape, id(rules), candidate.zero_axes, min_elements)
+    if group not in cache:
+        cache[group] = (
+            sharded_specs
+            if sharded_specs is not None
+            else zero_specs(
+                work.params, None, sizes, 3, base_specs=base, axes=candidate.zero_axes, min_elements=min_elements
+            )[0]
+        )
+    sharded = cache[group]
+    leaf = sharded if candidate.zero_stage >= 1 else base
+    opt = ("opt", group, id(tx), candidate.zero_stage >= 1)
+    if opt not in cache:
+        cache[opt] = (tx, opt_state_specs(tx, work.params, leaf))
+    return base, sharded, cache[opt][1]
+
+
+def _base(work: Workload, candidate: Candidate, rules: Rules, cache: dict) -> Any:
+    """``candidate``'s specs before ZeRO (`base_specs`, as a tree like the parameters), once per mesh shape."""
+    sizes = {a: int(candidate.mesh_shape.get(a, 1)) for a in AXES}
+    key = ("base", tuple(sizes.items()), id(rules))
+    if key not in cache:
+        cache[key] = (rules, jax.tree.unflatten(jax.tree.structure(work.params), base_specs(work.params, sizes, rules)))
+    return cache[key][1]
+
+
+def microbatches_of(work: Workload, candidate: Candidate) -> int:
+    """The microbatch count of ``candidate``'s plan: its own, or a pipelined one's default (`pipeline_microbatches`)
+    where it names one."""
+    if candidate.mesh_shape["stage"] == 1 or candidate.microbatches > 1:
+        return candidate.microbatches
+    return pipeline_microbatches(work, candidate)
 
 
 def pipeline_microbatches(work: Workload, candidate: Candidate) -> int:
@@ -317,6 +378,16 @@ def policy_variants(candidate: Candidate, work: Workload, remats: Sequence[str],
     gradients, each power-of-two microbatch count that divides the per-device batch (a pipelined one: each count
     of S x 2^i microbatches above its default that divides the per-replica batch, and one example per microbatch);
     the plain one excluded."""
+    return [
+        dataclasses.replace(candidate, remat=r, microbatches=k)
+        for r, k in variant_policies(candidate, work, remats, accumulates)
+    ]
+
+
+def variant_policies(
+    candidate: Candidate, work: Workload, remats: Sequence[str], accumulates: bool
+) -> list[tuple[str, int]]:
+    """The (remat policy, microbatch count) of each of `policy_variants`, in its order, without making them."""
     dp, s = replicas(candidate.mesh_shape), candidate.mesh_shape["stage"]
     local = work.global_batch // dp
     if s > 1:  # a pipeline's microbatches: more of them hold fewer activations in flight (down to one example)
@@ -332,7 +403,7 @@ def policy_variants(candidate: Candidate, work: Workload, remats: Sequence[str],
             if (r, k) == (candidate.remat, candidate.microbatches):
                 continue
             if work.policy_activations(r, candidate.precision) is not None:
-                out.append(dataclasses.replace(candidate, remat=r, microbatches=k))
+                out.append((r, k))
     return out
 
 

@@ -87,6 +87,34 @@ def opt_state_specs(tx: Optimizer, params: Any, leaf_specs: Any) -> Any:
         return None
     if not isinstance(tx, optax.GradientTransformation):
         return mirror_specs(tx, params, leaf_specs)
+    specs, treedef = jax.tree.flatten(leaf_specs, is_leaf=is_spec)
+    if treedef != jax.tree.structure(params) or not all(is_spec(s) for s in specs):
+        return _mapped_specs(tx, params, leaf_specs)
+    state, slots = _slots(tx, params)  # which parameter each state leaf mirrors, found once per (tx, params)
+    return jax.tree.unflatten(state, [P() if i < 0 else specs[i] for i in slots])
+
+
+_SLOTS: dict[tuple[int, int], tuple[Any, Any, Any, list[int]]] = {}
+
+
+def _slots(tx: optax.GradientTransformation, params: Any) -> tuple[Any, list[int]]:
+    """(the structure of ``tx``'s state specs, for each of their leaves the index of the parameter leaf whose spec
+    it takes or -1 for a replicated one): `_mapped_specs` of a spec per parameter that names only that parameter,
+    remembered for the last few (tx, params) pairs (the pair is held, so its ids stay theirs). A search asks for the
+    state specs of every candidate; they differ only in the parameters' specs."""
+    key = (id(tx), id(params))
+    if key not in _SLOTS:
+        if len(_SLOTS) >= 8:
+            del _SLOTS[next(iter(_SLOTS))]
+        leaves, treedef = jax.tree.flatten(params)
+        marks = [P(f"#{i}") for i in range(len(leaves))]
+        mapped, state = jax.tree.flatten(_mapped_specs(tx, params, jax.tree.unflatten(treedef, marks)), is_leaf=is_spec)
+        index = {m: i for i, m in enumerate(marks)}
+        _SLOTS[key] = (tx, params, state, [index.get(m, -1) for m in mapped])
+    return _SLOTS[key][2], _SLOTS[key][3]
+
+
+def _mapped_specs(tx: optax.GradientTransformation, params: Any, leaf_specs: Any) -> Any:
     abstract_state = _abstract_state(tx, params)
     try:
         return optax.tree_map_params(
