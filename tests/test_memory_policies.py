@@ -19,6 +19,7 @@ from openhosti_jax.mesh import MeshConfig, build_mesh
 from openhosti_jax.models.gpt import GPT, GPTConfig, next_token_loss
 from openhosti_jax.models.llama import Llama, LlamaConfig
 from openhosti_jax.planner import PROFILES, choose_plan
+from openhosti_jax.planner.profiles import XLA_CPU
 from openhosti_jax.planner.search import Candidate, score
 from openhosti_jax.planner.verify import compiled_step_bytes
 from openhosti_jax.planner.workload import remat_blocks, workload
@@ -291,7 +292,7 @@ def test_selective_remat_keeps_every_other_projection_and_prices_its_recompute()
     assert kept["selective"].flops_factor == pytest.approx(1.1 + unkept / work.flops_per_example)
     tx = optax.adam(1e-3)
     cpu = dataclasses.replace(
-        PROFILES["H100"], native_reduce_scatter=False, keeps_gathered_weights=True, phase_peaks=False
+        PROFILES["H100"], native_reduce_scatter=False, memory=XLA_CPU
     )  # CPU all-reduces, as in test_planner_memory
     sc = score(work, tx, Candidate({"stage": 1, "data": 8, "fsdp": 1, "tensor": 1}, 0, remat="selective"), cpu)
     mesh = build_mesh(MeshConfig.from_sizes(dict(sc.plan.mesh_shape)))

@@ -18,7 +18,7 @@ import pytest
 from openhosti_jax.models.llama import LlamaConfig
 from openhosti_jax.models.presets import model_preset
 from openhosti_jax.planner.predict import parse_mesh
-from openhosti_jax.planner.profiles import PROFILES
+from openhosti_jax.planner.profiles import PROFILES, XLA_CPU
 from openhosti_jax.planner.search import Candidate, score
 from openhosti_jax.planner.workload import workload
 
@@ -116,9 +116,7 @@ def test_the_policy_changes_the_predicted_peak_on_a_70b_fsdp_run():
     assert peaks["full"] < 80 * 2**30
 
 
-CPU = dataclasses.replace(
-    PROFILES["H100"], native_reduce_scatter=False, keeps_gathered_weights=True, phase_peaks=False, memory_bytes=None
-)
+CPU = dataclasses.replace(PROFILES["H100"], native_reduce_scatter=False, memory=XLA_CPU, memory_bytes=None)
 
 
 @pytest.mark.slow  # a compile of each width-true model

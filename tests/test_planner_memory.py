@@ -9,12 +9,13 @@ import pytest
 from openhosti_jax.demo.examples import EXAMPLES, example_inputs, gpt_step
 from openhosti_jax.mesh import MeshConfig, build_mesh
 from openhosti_jax.planner import PROFILES, choose_plan
+from openhosti_jax.planner.profiles import XLA_CPU
 from openhosti_jax.planner.search import enumerate_candidates, search
 from openhosti_jax.planner.verify import compiled_step_bytes
 from openhosti_jax.planner.workload import workload
 
 # the CPU backend all-reduces a reduce-scattered gradient (then slices it): say so, as a calibrated profile does
-CPU = dataclasses.replace(PROFILES["H100"], native_reduce_scatter=False, keeps_gathered_weights=True, phase_peaks=False)
+CPU = dataclasses.replace(PROFILES["H100"], native_reduce_scatter=False, memory=XLA_CPU)
 
 
 def scored(batch: int):

@@ -30,7 +30,16 @@ from jax.sharding import PartitionSpec as P
 from openhosti_jax.errors import PlanningError
 from openhosti_jax.mesh.barrier import gathered
 from openhosti_jax.planner import profile_cache
-from openhosti_jax.planner.profiles import COLLECTIVES, KIND_ALIASES, MEASURED, PROFILES, DeviceProfile, bus_bytes
+from openhosti_jax.planner.profiles import (
+    COLLECTIVES,
+    KIND_ALIASES,
+    MEASURED,
+    PROFILES,
+    XLA_CPU,
+    XLA_TPU,
+    DeviceProfile,
+    bus_bytes,
+)
 
 MEMORY_SIZES: tuple[int, ...] = (2**19, 2**21, 2**23, 2**25)
 """Working sets per device (512 KiB .. 32 MiB) at which `calibrate` times elementwise streaming."""
@@ -189,8 +198,7 @@ def calibrate(
             memory_curve=memory,
             launch_seconds=launch,
             native_reduce_scatter=native_rs,
-            keeps_gathered_weights=not native_rs,  # XLA:CPU's partitioner keeps them, XLA:TPU gathers again
-            phase_peaks=native_rs,
+            memory=XLA_TPU if native_rs else XLA_CPU,
             matmul_efficiency=1.0,  # the peak is the measured matmul rate
         )
     bandwidth, latencies = {}, []
@@ -218,8 +226,7 @@ def calibrate(
         memory_curve=memory,
         launch_seconds=launch,
         native_reduce_scatter=native_rs,
-        keeps_gathered_weights=not native_rs,  # XLA:CPU's partitioner keeps them, XLA:TPU gathers again
-        phase_peaks=native_rs,
+        memory=XLA_TPU if native_rs else XLA_CPU,
         matmul_efficiency=1.0,  # the peak is the measured matmul rate
     )
 

@@ -455,7 +455,7 @@ def _memory(lay: _Layout, acts: _Activations) -> _Memory:
     def temporaries(act: float) -> float:  # the step's peak above the state, per pipeline stage
         kept = min(through, act) - loss  # the blocks' checkpointed values (remat "none": every residual)
         block = act - loss - kept  # one block's recomputed residuals, while its backward runs
-        if not lay.profile.phase_peaks:  # the loss's copies and a block's residuals live into every phase
+        if not lay.profile.memory.phase_peaks:  # the loss's copies and a block's residuals live into every phase
             loop = act + grads.stacked_out + grads.loop + grads.held
             return (max(act + grads.start, loop, reduction) + accumulator + cast) / stages
         peak = max(
@@ -516,7 +516,7 @@ class _Gradients(NamedTuple):
     backward (the output head's, made at the backward's start and held to the end)."""
     head: float = 0.0
     """At the forward's end, besides the activations: the largest unstacked leaf's gathered copy (ZeRO-3; remat
-    ``"none"`` keeps every leaf's where the stack's compiler holds them, `DeviceProfile.keeps_gathered_weights`)."""
+    ``"none"`` keeps every leaf's where the stack's compiler holds them, `CompilerMemory.keeps_gathered_weights`)."""
 
 
 def _gradients(lay: _Layout, grad_full: list[int]) -> _Gradients:
@@ -528,27 +528,32 @@ def _gradients(lay: _Layout, grad_full: list[int]) -> _Gradients:
     flat_gathered, layer_leaf, layer_gathered = 0.0, 0.0, 0.0
     kept_flat, kept_layers = 0.0, 0.0  # what remat "none" keeps of the gathered copies
     used = cast or 1.0  # a gathered copy is in the compute dtype: the parameters are cast before they are gathered
+    # the full gradient of the (cast) copy a step computes with: in the compute dtype until it is reduced
+    made = used if lay.profile.memory.gradients_in_compute_dtype else 1.0
     for g, x, ps, bs, gs, names in zip(
         grad_full, lay.params, lay.p_specs, lay.base, lay.g_specs, lay.names, strict=True
     ):
         gathered = spec_axes(ps) != spec_axes(bs)  # ZeRO-3 shards it: gathered whole for its use
+        g_used, g = g * used, g * made
         if lay.stacked(names):
             stacked_out += lay.local_bytes(x, gs)
             layer_leaf = max(layer_leaf, g / x.shape[0])
-            layer_gathered = max(layer_gathered, 2 * g * used / x.shape[0] if gathered else 0.0)
+            layer_gathered = max(layer_gathered, 2 * g_used / x.shape[0] if gathered else 0.0)
             # a scanned layer's cast copy is a residual of the loop; uncast, it is gathered again
-            kept_layers += g * cast if gathered else 0.0
+            kept_layers += g_used * (cast > 0) if gathered else 0.0
             continue
         flat.append(g)
-        flat_gathered = max(flat_gathered, g * used if gathered else 0.0)
-        kept_flat += g * used if gathered else 0.0  # one gather serves the forward and the backward
+        flat_gathered = max(flat_gathered, g_used if gathered else 0.0)
+        kept_flat += g_used if gathered else 0.0  # one gather serves the forward and the backward
         if gathered and lay.profile.native_reduce_scatter:
             scattered += lay.local_bytes(x, gs)
         else:  # without a native reduce-scatter (XLA:CPU) a ZeRO-3 leaf's gradient is all-reduced whole, then sliced
             combined += g
             combined_out += lay.local_bytes(x, gs)
             held = max(held, g)
-    if lay.plan.remat == "none" and lay.profile.keeps_gathered_weights:  # the gathered weights stay to the backward
+    if (
+        lay.plan.remat == "none" and lay.profile.memory.keeps_gathered_weights
+    ):  # the gathered weights stay to the backward
         flat_gathered, layer_gathered = kept_flat, kept_layers
     start = flat_gathered + max(flat, default=0)
     loop = layer_gathered + layer_leaf

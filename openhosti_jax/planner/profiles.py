@@ -43,6 +43,38 @@ MEASURED: tuple[str, ...] = (*COLLECTIVES, "all_to_all")
 
 
 @dataclasses.dataclass(frozen=True)
+class CompilerMemory:
+    """How a compiler lays out a training step's memory, where compilers differ (each field as measured from the
+    compiled program's buffer assignment and live ranges: `XLA_TPU`, `XLA_CPU`)."""
+
+    phase_peaks: bool = True
+    """Whether the step's peak is the largest of its phases' (the forward's end: the loss's two output-sized copies
+    and the gathered output head; the backward's start: the outputs' cotangent and the head's gradient; the layers'
+    backward loop: one block's recomputed residuals; the gradient reduction), each over the checkpointed
+    activations; False: the loss's copies and a block's residuals live into every phase."""
+    keeps_gathered_weights: bool = False
+    """Whether a ZeRO-3 weight's gathered copy is kept from the forward to the backward where no remat recomputes it
+    (remat ``"none"``), rather than gathered again."""
+    gradients_in_compute_dtype: bool = True
+    """Whether a gathered weight's full gradient stays in the compute dtype until it is reduced (the gradient of the
+    cast copy it was computed with); False: converted to the parameters' dtype first."""
+
+
+XLA_TPU = CompilerMemory()
+"""XLA:TPU, as compiled ahead of time with libtpu 0.0.42 (Llama-3 8B on 64 v5p chips, fsdp=64, one sequence per
+chip): at seq 8192 with remat full the peak (12.5 GiB) is the forward's end, the layers' inputs, the two fp32 logit
+copies and the gathered bf16 output head, none of the head's gradient; with remat none (73.5 GiB) every layer's
+residuals there and no layer's gathered weights; the gradients of gathered weights are reduced in bf16 (the
+embedding's as a ``bf16[128256,4096]`` all-reduce)."""
+
+XLA_CPU = CompilerMemory(phase_peaks=False, keeps_gathered_weights=True, gradients_in_compute_dtype=False)
+"""XLA:CPU (jax 0.10.2), from the compiled footprints of width-true, 4-layer presets on 8 devices: they hold the
+loss's copies and a block's residuals beside the backward's start and loop, the gathered weights of every layer
+under remat none (four layers of Llama-2 7B at fsdp=8: 5.67 GiB compiled, 4.08 predicted without them), and the
+vocabulary leaves' full gradients in fp32 (``f32[128256,4096]`` buffers for Llama-3 8B)."""
+
+
+@dataclasses.dataclass(frozen=True)
 class DeviceProfile:
     """Speeds of one device and its links (per device, as seen while all devices work at once)."""
 
@@ -73,21 +105,9 @@ class DeviceProfile:
     native_reduce_scatter: bool = True
     """Whether a sharded gradient is reduce-scattered in place. XLA's CPU backend lowers GSPMD's reduce-scatter
     as a full all-reduce and a slice, so the full gradient is live twice (its input and output), as under ZeRO-0."""
-    keeps_gathered_weights: bool = False
-    """Whether the compiler keeps a ZeRO-3 weight's gathered copy from the forward to the backward where no remat
-    recomputes it (remat ``"none"``), rather than gathering it again. XLA:TPU gathers again: Llama-3 8B compiled
-    for 64 v5p chips (fsdp=64, one 8192-token sequence each, no remat) peaks at the forward's end holding every
-    layer's residuals, the loss and the output head, no layer's gathered weights. XLA:CPU keeps them (a calibrated
-    CPU profile says so): four layers of Llama-2 7B (fsdp=8, 1024 tokens per device) compile to 5.67 GiB, 4.08
-    GiB predicted without them, 5.58 with."""
-    phase_peaks: bool = True
-    """Whether the step's peak is the largest of its phases' (the forward's end: the loss's two output-sized copies
-    and the gathered output head; the backward's start: the outputs' cotangent and the head's gradient; the layers'
-    backward loop: one block's recomputed residuals; the gradient reduction), each holding the checkpointed
-    activations, as XLA:TPU's peaks are (Llama-3 8B on 64 v5p chips, seq 8192, remat full: 12.5 GiB at the loss
-    with the layers' inputs and the gathered head, none of the head's gradient). XLA:CPU's schedule frees less: its
-    compiled footprints hold the loss's copies and a block's residuals beside the backward's start and its loop
-    (False, a calibrated CPU profile)."""
+    memory: CompilerMemory = dataclasses.field(default_factory=lambda: XLA_TPU)
+    """How the compiler lays out a step's memory (`CompilerMemory`): `XLA_TPU` (also taken for GPUs), or `XLA_CPU`
+    for a calibrated CPU profile."""
     host_bandwidth: float = 32e9
     """Bytes/s between device and host memory one way, what remat ``"offload"`` moves its saved activations over
     (default: PCIe Gen4 x16). The H100 and H200 profiles take PCIe Gen5's 55 GB/s: an H200 step that offloaded
