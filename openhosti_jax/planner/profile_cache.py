@@ -30,10 +30,11 @@ from typing import Any
 
 import jax
 
-from openhosti_jax.planner.profiles import DeviceProfile
+from openhosti_jax.planner.profiles import CompilerMemory, DeviceProfile
 
-FORMAT = 1
-"""Version of the file layout; a file of another version is measured again."""
+FORMAT = 2
+"""Version of the file layout; a file of another version is measured again (2: profiles carry the compiler's
+memory record, `CompilerMemory`)."""
 
 
 def cache_dir() -> Path:
@@ -86,7 +87,9 @@ def _decode(fields: dict[str, Any]) -> DeviceProfile:
     values["link_curve"] = {
         kind: {int(n): _tuples(pts) for n, pts in groups.items()} for kind, groups in values["link_curve"].items()
     }
-    return DeviceProfile(**{k: _tuples(v) if k != "link_curve" else v for k, v in values.items()})
+    if isinstance(values.get("memory"), dict):  # the compiler's memory record, stored as its fields
+        values["memory"] = CompilerMemory(**values["memory"])
+    return DeviceProfile(**{k: _tuples(v) if k not in ("link_curve", "memory") else v for k, v in values.items()})
 
 
 def digest(profile: DeviceProfile) -> str:
