@@ -28,7 +28,7 @@ import jax
 
 from openhosti_jax.errors import CompileError, OpenhostiError
 from openhosti_jax.mesh.config import AXES
-from openhosti_jax.mesh.topology import TpuTarget, target_mesh, tpu_target
+from openhosti_jax.mesh.topology import GENERATIONS, TpuTarget, is_tpu_target, target_mesh, torus_shape, tpu_target
 from openhosti_jax.planner.profiles import PROFILES
 from openhosti_jax.planner.verify import lower_step
 from openhosti_jax.planner.workload import Workload
@@ -94,6 +94,27 @@ class CompiledCheck:
             "compile_seconds": self.seconds,
             **({"compiler": self.message} if self.message else {}),
         }
+
+
+def cluster_target(where: Any) -> TpuTarget | None:
+    """The TPU target a cluster (or a name) is, else None: a slice name, or a `Cluster` of a TPU profile (its
+    hosts the slices, each an ICI domain of ``devices_per_host`` chips).
+
+    >>> from openhosti_jax.planner.cluster import cluster
+    >>> cluster_target(cluster("2xv5p-256")).name, cluster_target("v6e-64").name, cluster_target("8xH100")
+    ('2xv5p-256', 'v6e-64', None)
+    """
+    if isinstance(where, TpuTarget):
+        return where
+    if isinstance(where, str):
+        return tpu_target(where) if is_tpu_target(where) else None
+    profile = getattr(where, "profile", None)
+    generation = next(
+        (g for g, (_, _, name) in GENERATIONS.items() if profile is not None and name == profile.name), None
+    )
+    if generation is None:
+        return None
+    return TpuTarget(generation, torus_shape(generation, where.devices_per_host), where.hosts)
 
 
 def required_bytes(message: str) -> int | None:

@@ -22,8 +22,7 @@ import optax
 from openhosti_jax.errors import PlanningError
 from openhosti_jax.mesh.build import build_mesh
 from openhosti_jax.mesh.config import MeshConfig
-from openhosti_jax.mesh.topology import is_tpu_target, tpu_target
-from openhosti_jax.planner.aot import FORECAST, CompiledCheck, chip_bytes, target_compiler
+from openhosti_jax.planner.aot import FORECAST, CompiledCheck, chip_bytes, cluster_target, target_compiler
 from openhosti_jax.planner.calibrate import device_profile as resolve_profile
 from openhosti_jax.planner.cluster import Cluster
 from openhosti_jax.planner.cluster import cluster as resolve_cluster
@@ -109,8 +108,8 @@ def choose_plan(
     target = None
     if cluster is not None:
         where = resolve_cluster(cluster)
-        if compile and is_tpu_target(cluster):
-            target = tpu_target(cluster)
+        if compile:
+            target = cluster_target(where)
         if device_profile is not None:
             chosen = PROFILES[device_profile] if isinstance(device_profile, str) else device_profile
             where = dataclasses.replace(where, profile=chosen)

@@ -23,8 +23,7 @@ import optax
 from openhosti_jax.errors import PlanningError
 from openhosti_jax.flops import CAUSAL_ATTENTION_COUNTED
 from openhosti_jax.mesh.config import AXES
-from openhosti_jax.mesh.topology import is_tpu_target, tpu_target
-from openhosti_jax.planner.aot import FORECAST, CompiledCheck, compile_on_target
+from openhosti_jax.planner.aot import FORECAST, CompiledCheck, cluster_target, compile_on_target
 from openhosti_jax.planner.choose import choose_plan
 from openhosti_jax.planner.cluster import Cluster, cluster
 from openhosti_jax.planner.profiles import UNCALIBRATED_MATMUL_EFFICIENCY
@@ -248,7 +247,7 @@ def predict(
     planner scores every candidate rather than skip those that provably cannot fit or win (the same choice,
     `openhosti_jax.planner.prune`)."""
     c = cluster(where)
-    target = tpu_target(where) if compile and not isinstance(where, Cluster) and is_tpu_target(where) else None
+    target = cluster_target(where) if compile else None
     checked: CompiledCheck | None = None
     tx = optimizer
     work = workload(model, sample_batch)
