@@ -235,6 +235,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
         compile=args.compile,
         step_fn=_preset_step(model) if args.compile else None,
     )
+    if args.compile and result.plan.pipeline_stages > 1 and result.compiled is None:
+        result = _compile_pipelined(result, model, batch)
     if args.json:
         print(json.dumps({"model": model.name, "global_batch": examples, **result.as_dict()}))
     else:
@@ -242,6 +244,35 @@ def cmd_predict(args: argparse.Namespace) -> int:
         print(f"{'global batch':<20} {examples} examples ({examples * seq:,} positions)")
         print(result)
     return EXIT_OK
+
+
+def _compile_pipelined(result: Any, model: Any, batch: Any) -> Any:
+    """``result`` with its pipelined plan's step (next-token loss over the pipeline's stages) compiled for the TPU
+    target it was predicted on (`openhosti_jax.train.pipelined.lower_pipelined`); as it was where the cluster is no
+    TPU target."""
+    import optax
+
+    aot = importlib.import_module("openhosti_jax.planner.aot")
+    target = aot.cluster_target(result.cluster)
+    if target is None or not hasattr(model.config, "vocab_size"):
+        return result
+    next_token_loss = _import("openhosti_jax.models.gpt", "next_token_loss")
+
+    def mean_loss(logits: Any, tokens: Any) -> Any:
+        total, count = next_token_loss(logits, tokens)
+        return total / count
+
+    axes = importlib.import_module("openhosti_jax.mesh.config").AXES
+    mesh = _import("openhosti_jax.mesh.topology", "target_mesh")(target, dict(result.plan.mesh_shape), axes)
+    lowered = aot.lower_for(
+        lambda: _import("openhosti_jax.train.pipelined", "lower_pipelined")(
+            model.init, optax.adamw(1e-4), mesh, result.plan, (batch, batch), mean_loss
+        ),
+        target,
+        "the pipelined plan",
+    )
+    check = aot.compile_check(lowered, target, "the pipelined plan", predicted_bytes=result.memory_bytes)
+    return dataclasses.replace(result, compiled=check)
 
 
 def _preset_step(model: Any) -> Callable[..., Any] | None:

@@ -121,12 +121,14 @@ def init_pipeline_state(
     *,
     zero_stage: int = 0,
     tensor_specs: Sequence[Any] | None = None,
+    abstract: bool = False,
 ) -> PipelineState:
     """The `PipelineState` of per-layer ``params`` and ``tx``, placed stage-local on ``mesh``. With a ``tensor``
     axis, ``tensor_specs`` (per layer, a `PartitionSpec` per parameter leaf, e.g. from
     `openhosti_jax.sharding.tensor.base_specs`) say which dim of each leaf is split over it (`Packing`); with an
     ``expert`` axis, which dim of a leaf holds experts split over it (each expert rank then keeps its experts, their
-    gradients and optimizer state, `openhosti_jax.sharding.rules.expert_specs` names them)."""
+    gradients and optimizer state, `openhosti_jax.sharding.rules.expert_specs` names them). ``abstract``: the
+    state's shapes only (`jax.eval_shape`), to lower a step for devices that are not attached."""
     if zero_stage not in (0, 1, 2, 3):
         raise PipelineError(f"zero_stage must be 0-3 (ZeRO inside a stage), found {zero_stage!r}")
     if partition.num_layers != len(params):
@@ -150,8 +152,10 @@ def init_pipeline_state(
         packed = packing.pack(list(params))
         return PipelineState(jnp.zeros((), jnp.int32), packed, tx.init(packed), tx, packing, shapes, zero_stage)
 
-    abstract = jax.eval_shape(build, list(params))
-    return jax.jit(build, out_shardings=state_shardings(abstract, mesh))(list(params))
+    shapes_only = jax.eval_shape(build, list(params))
+    if abstract:  # shapes to lower a step with, nothing allocated (``params`` may be ShapeDtypeStructs)
+        return shapes_only
+    return jax.jit(build, out_shardings=state_shardings(shapes_only, mesh))(list(params))
 
 
 def make_pipeline_train_step(

@@ -242,7 +242,9 @@ def predict(
     FLOPs, `model_flops_per_example`). ``compile`` (a TPU target: ``"v5p-128"``): the plan is compiled ahead of time
     for it (`openhosti_jax.planner.aot`; libtpu needed, no TPU): `Prediction.compiled` holds the compiler's bytes and
     verdict, and `Prediction.fits` follows the compiler; planned (no ``mesh``), the ranked candidates are compiled
-    until one fits. A GPU cluster cannot be compiled here: the prediction says "forecast, not compiled".
+    until one fits. A GPU cluster cannot be compiled here: the prediction says "forecast, not compiled"; nor is a
+    pipelined plan's step here (its state is the pipeline's: `openhosti_jax.train.pipelined.lower_pipelined` lowers
+    it, as ``openhosti predict --compile`` does).
     ``step_fn(state, batch)`` is the step compiled (default: the mean output as the loss). ``exhaustive``: the
     planner scores every candidate rather than skip those that provably cannot fit or win (the same choice,
     `openhosti_jax.planner.prune`)."""
@@ -310,7 +312,7 @@ def predict(
         scored = score(work, tx, candidate, c)
         plan, parts = scored.plan, {"time": scored.estimate.time, "memory": scored.estimate.memory}
         seconds, nbytes = scored.estimate.seconds, float(scored.estimate.bytes)
-        if compile and target is not None:
+        if compile and target is not None and plan.pipeline_stages == 1:  # a pipeline's step: lower_pipelined
             checked = compile_on_target(
                 plan,
                 work,

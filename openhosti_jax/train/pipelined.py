@@ -34,6 +34,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -138,12 +139,14 @@ def create_pipeline_state(
     key: jax.Array | None = None,
     apply_fn: Any = None,
     model_kwargs: Mapping[str, Any] | None = None,
+    abstract: bool = False,
 ) -> PipelineState:
     """The stage-local state of ``init_fn``'s model for a pipelined ``plan`` (``sample_batch``: the inputs;
-    ``model_kwargs``: passed to every call of the model, as `split_layers` takes them)."""
+    ``model_kwargs``: passed to every call of the model, as `split_layers` takes them). ``abstract``: its shapes
+    only, nothing initialised, for lowering the step for devices that are not attached (`lower_pipelined`)."""
     plan.check_mesh(mesh)
     inputs = sample_batch[0] if isinstance(sample_batch, tuple) else sample_batch
-    one = jax.tree.map(lambda x: x[:1], inputs)
+    one = jax.tree.map(lambda x: jax.ShapeDtypeStruct((1, *np.shape(x)[1:]), jnp.result_type(x)), inputs)
     mp = resolve_precision(plan.precision)
     if mp.master_weights or mp.loss_scaling:
         raise PipelineError(
@@ -160,11 +163,15 @@ def create_pipeline_state(
         _check_tensor_split(seq, specs, seq.split_flat(paths, lambda path, j: f"{path}[{j}]"), one, sizes["tensor"])
     if sizes.get("expert", 1) > 1:
         specs = _with_experts(seq, specs, parts.params, sizes)
-    params, _ = parts.init(jax.random.key(0) if key is None else key)
+    init = lambda k: parts.init(k)[0]  # noqa: E731
+    k = jax.random.key(0) if key is None else key
+    params = jax.eval_shape(init, k) if abstract else init(k)
     layer_params = seq.split(params)
     schedule = make_schedule(plan.pipeline_schedule, plan.pipeline_stages, plan.num_microbatches, plan.pipeline_virtual)
     cut = _stage_cut(plan, seq.layers, layer_params, one, schedule.num_chunks)
-    state = init_pipeline_state(layer_params, tx, mesh, cut, schedule, zero_stage=plan.zero_stage, tensor_specs=specs)
+    state = init_pipeline_state(
+        layer_params, tx, mesh, cut, schedule, zero_stage=plan.zero_stage, tensor_specs=specs, abstract=abstract
+    )
     return state.replace(
         sequence=seq, partition=cut, schedule=schedule, remat=plan.remat, sequence_parallel=plan.sequence_parallel
     )
@@ -228,3 +235,28 @@ def from_model_state(params: Any, opt_state: Any, like: PipelineState, mesh: Mes
         remat=like.remat,
         sequence_parallel=like.sequence_parallel,
     )
+
+
+def lower_pipelined(
+    init_fn: Any,
+    tx: optax.GradientTransformation,
+    mesh: Mesh,
+    plan: ShardingPlan,
+    sample_batch: Any,
+    mean_loss_fn: MeanLossFn,
+    *,
+    apply_fn: Any = None,
+    model_kwargs: Mapping[str, Any] | None = None,
+) -> jax.stages.Lowered:
+    """`pipeline_step` of ``init_fn``'s model under the pipelined ``plan`` lowered on ``mesh`` (attached or not, e.g.
+    `openhosti_jax.mesh.topology.target_mesh` of a TPU slice) from abstract state and ``sample_batch`` (``(inputs,
+    targets)``, the global batch): nothing is initialised or allocated. ``.compile()`` it for the memory the
+    compiler holds the program to."""
+    inputs = sample_batch[0] if isinstance(sample_batch, tuple) else sample_batch
+    state = create_pipeline_state(
+        init_fn, tx, mesh, plan, inputs, apply_fn=apply_fn, model_kwargs=model_kwargs, abstract=True
+    )
+    step = pipeline_step(mean_loss_fn, mesh, state)
+    abstract = lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x))  # noqa: E731
+    with jax.set_mesh(mesh):
+        return step.lower(state, jax.tree.map(abstract, sample_batch))
