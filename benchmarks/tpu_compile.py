@@ -12,7 +12,8 @@ compile=True)`: the path ``openhosti predict --compile`` takes).
 
 Each case compiles in its own process (an 8B step compiles in 0.5-3 minutes on 2 cores). Layers are the models' own
 (the blocks are scanned, so depth barely changes the compile time), except where ``layers`` cuts them, priced the
-same way. ``--quick`` (CI): three cases of the whole 8B on 16 and 32 chips, the same code path (a 2-layer model\nstrays furthest: its output head and embedding dwarf the layers, see the README's figures).
+same way. ``--quick`` (CI): three cases of the whole 8B on 16 and 32 chips, the same code path (a 2-layer model
+strays furthest, its output head and embedding dwarfing the layers: 1.18 for a 2-layer 8B without remat on 32).
 
 Prints one JSON object on its last line (keys and goals: ``benchmarks/README.md``). Run:
 ``python benchmarks/tpu_compile.py`` (``--quick``; ``--case JSON`` runs one case).
@@ -25,6 +26,7 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compile-only processes share libtpu (no TPU is opened)
 
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -35,7 +37,8 @@ import goals  # noqa: E402
 
 GiB = 2**30
 
-# (model, seq, layers or None, mesh, zero, remat, target): FSDP, FSDP x tensor, data x FSDP, the context axis;
+# (model, seq, layers or None, mesh, zero, remat, target): FSDP, FSDP x tensor, data x FSDP, the context axis, a
+# pipeline (stage x fsdp, ZeRO-1 inside the stages, four microbatches per replica);
 # remat none / dots / full; 64 to 1,024 chips; two cases past a chip's HBM, which the compiler refuses
 CASES: tuple[tuple[str, int, int | None, str, int, str, str], ...] = (
     ("llama3-8b", 2048, None, "fsdp=64", 3, "none", "v5p-128"),
@@ -53,6 +56,7 @@ CASES: tuple[tuple[str, int, int | None, str, int, str, str], ...] = (
     ("llama3-405b", 4096, 32, "fsdp=512", 3, "full", "v5p-1024"),
     ("llama3-405b", 8192, 32, "fsdp=128,tensor=8", 3, "full", "v5p-2048"),
     ("llama3-8b", 131072, None, "fsdp=4,context=16", 3, "full", "v5p-128"),
+    ("llama3-8b", 2048, 8, "stage=2,fsdp=16", 1, "full", "v5p-64"),
 )
 QUICK_CASES: tuple[tuple[str, int, int | None, str, int, str, str], ...] = (
     ("llama3-8b", 1024, None, "fsdp=16", 3, "full", "v5p-32"),
@@ -72,20 +76,14 @@ def run_case(case: tuple[Any, ...]) -> dict[str, Any]:
 
     name, seq, layers, mesh, zero, remat, target = case
     model = model_preset(name, seq_len=seq, **({"n_layers": layers} if layers else {}))
-    batch = model.sample_batch(max(replicas(parse_mesh(mesh)), 1))  # one sequence per data-parallel replica
+    sizes = parse_mesh(mesh)
+    # one sequence per data-parallel replica; a pipeline four per replica (its microbatches)
+    batch = model.sample_batch(max(replicas(sizes), 1) * (4 if sizes["stage"] > 1 else 1))
     start = time.perf_counter()
-    p = predict(
-        model.init,
-        optax.adamw(1e-4),
-        batch,
-        target,
-        mesh=mesh,
-        zero=zero,
-        remat=remat,
-        precision="bf16",
-        compile=True,
-        step_fn=token_train_step,
-    )
+    kw = {"mesh": mesh, "zero": zero, "remat": remat, "precision": "bf16"}
+    p = predict(model.init, optax.adamw(1e-4), batch, target, compile=True, step_fn=token_train_step, **kw)
+    if sizes["stage"] > 1:  # the pipeline's own step and state, lowered from shapes alone
+        p = dataclasses.replace(p, compiled=pipelined_check(model, batch, p))
     check = p.compiled
     budget = p.memory_budget or 0
     return {
@@ -99,6 +97,27 @@ def run_case(case: tuple[Any, ...]) -> dict[str, Any]:
         "compile_seconds": round(check.seconds, 1),
         "seconds": round(time.perf_counter() - start, 1),
     }
+
+
+def pipelined_check(model: Any, batch: Any, p: Any) -> Any:
+    """The pipelined plan of ``p`` compiled for its TPU target (`openhosti_jax.train.pipelined.lower_pipelined`:
+    next-token loss over the stages, the stage-local state made from shapes)."""
+    import optax
+
+    from openhosti_jax.mesh.config import AXES
+    from openhosti_jax.mesh.topology import target_mesh
+    from openhosti_jax.models.gpt import next_token_loss
+    from openhosti_jax.planner.aot import cluster_target, compile_check
+    from openhosti_jax.train.pipelined import lower_pipelined
+
+    def mean_loss(logits: Any, tokens: Any) -> Any:
+        total, count = next_token_loss(logits, tokens)
+        return total / count
+
+    target = cluster_target(p.cluster)
+    mesh = target_mesh(target, dict(p.plan.mesh_shape), AXES)
+    lowered = lower_pipelined(model.init, optax.adamw(1e-4), mesh, p.plan, (batch, batch), mean_loss)
+    return compile_check(lowered, target, "pipelined", predicted_bytes=p.memory_bytes)
 
 
 def main() -> None:
