@@ -175,6 +175,7 @@ class AnyCalls:
             skip_nonfinite=step.skip_nonfinite,
             batch_shardings=data_sh,
             free_outputs=True,
+            compiler_options=step.compiler_options(state),
         )
         self._compiled[key] = _Compiled(jitted, state_sh, recipe, flags)
         return self._compiled[key]
