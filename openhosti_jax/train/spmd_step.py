@@ -54,6 +54,7 @@ from openhosti_jax.state.jit import jit_eval, jit_step
 from openhosti_jax.state.layout import StateLayout, find_layout
 from openhosti_jax.state.model import abstract
 from openhosti_jax.state.train_state import TrainState
+from openhosti_jax.train.compile_cache import CompileCache, caching_steps, enable_compile_cache
 from openhosti_jax.train.create import PlanChoice, resolve_plan
 from openhosti_jax.train.spmd_any import AnyCalls
 
@@ -117,6 +118,8 @@ class SpmdStep:
         self._plan_fn: StepFn | None = None
         self._where: Callable | None = None
         self.compiler_settings = compiler_settings
+        self.compile_cache: CompileCache | None = None
+        """Where compiled steps persist (`openhosti_jax.train.compile_cache`; after the first call)."""
         self.settings: AppliedSettings | None = None
         """The compiler settings the step compiles with (`openhosti_jax.policies.compiler`; after the first call)."""
         self.skipped_nonfinite: jax.Array | None = None
@@ -215,9 +218,15 @@ class SpmdStep:
             )
         return self._jitted[key]
 
+    def _enable_cache(self) -> None:
+        if self.compile_cache is None:
+            self.compile_cache = enable_compile_cache()
+            self.report.record(self.compile_cache.describe())
+
     def compiler_options(self, state: Any) -> dict[str, Any]:
         """The compiler options the step compiles with (`openhosti_jax.policies.compiler.step_settings` for this
         step's mesh, sized from the state's parameters), decided once and recorded in ``step.report``."""
+        self._enable_cache()
         if self.settings is None:
             self.settings = step_settings(self.mesh, self.layout.params(abstract(state)), self.compiler_settings)
             self.report.record(self.settings.describe())
@@ -328,7 +337,7 @@ class SpmdStep:
     def _run_with(self, size: int) -> Callable[[Any, Any], tuple[Any, Any]]:
         def run(state: Any, batch: Any) -> tuple[Any, Any]:
             fn, _ = self._compiled_fn(state, batch, self._per_device_batch(batch) // size)
-            with jax.set_mesh(self.mesh):
+            with jax.set_mesh(self.mesh), caching_steps():
                 return fn(state, batch)
 
         return run
