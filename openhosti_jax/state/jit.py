@@ -25,7 +25,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from openhosti_jax.errors import StateError, StepOutputError
+from openhosti_jax.errors import ConfigError, StateError, StepOutputError
+from openhosti_jax.policies.fp8 import device_fp8_problem
 from openhosti_jax.policies.precision import precision
 from openhosti_jax.sharding.plan import ShardingPlan
 from openhosti_jax.state.context import (
@@ -68,6 +69,8 @@ def jit_step(
     `TrainState.apply_gradients` when the state is one, else by a select after the step), except under a
     loss-scaling precision, whose optimizer skips those steps itself."""
     k = num_microbatches or plan.num_microbatches
+    if precision(plan.precision).fp8_matmuls and (problem := device_fp8_problem(mesh.devices.flat[0])):
+        raise ConfigError(problem)
     layout = layout if layout is not None else find_layout(state)
     guarded = skip_nonfinite and not precision(plan.precision).loss_scaling
     state_sh = plan.shardings(mesh, state_specs(plan, state, layout))
