@@ -139,10 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, ROOT)
     from openhosti_jax.models.gpt import GPTConfig
 
-    size = (
-        {"seq_len": 64, "n_layers": 2, "d_model": 64} if args.quick else {"seq_len": 128, "n_layers": 4, "d_model": 128}
-    )
-    cfg = GPTConfig(n_heads=4, **size)
+    cfg = GPTConfig(d_model=128, n_heads=4, n_layers=2, seq_len=64 if args.quick else 128)
     batch = 8 if args.quick else 16
     t0 = time.perf_counter()
     bf16 = train_losses(dataclasses.replace(cfg, dtype="bfloat16"), "bf16", args.steps, batch)
