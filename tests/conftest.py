@@ -13,6 +13,10 @@ if "OPENHOSTI_CACHE_DIR" not in os.environ:
 
     os.environ["OPENHOSTI_CACHE_DIR"] = tempfile.mkdtemp(prefix="openhosti-test-cache-")
 
+# the persistent compile cache (on by default) is off in this process: the slow tests that start processes turn it on
+# in theirs (tests/test_compile_cache.py), and one suite's cached steps do not decide another's results
+os.environ.setdefault("OPENHOSTI_COMPILE_CACHE", "0")
+
 import jax  # noqa: E402
 
 assert jax.device_count() == 8, f"expected 8 simulated CPU devices, found {jax.device_count()}"

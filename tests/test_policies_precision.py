@@ -49,7 +49,7 @@ def _bits(tree):
 
 
 def test_named_policies():
-    assert set(PRECISIONS) == {"fp32", "bf16", "bf16_params", "fp16"}
+    assert set(PRECISIONS) == {"fp32", "bf16", "bf16_params", "fp16", "fp8"}
     fp32, bf16, bf16p, fp16 = (PRECISIONS[n] for n in ("fp32", "bf16", "bf16_params", "fp16"))
     assert (fp32.param_dtype, fp32.compute_dtype, fp32.output_dtype) == (F32, F32, F32)
     assert (bf16.param_dtype, bf16.compute_dtype, bf16.output_dtype) == (F32, BF16, F32)
@@ -57,6 +57,8 @@ def test_named_policies():
     assert (fp16.param_dtype, fp16.compute_dtype, fp16.output_dtype) == (F32, F16, F32)
     assert [p.master_weights for p in (fp32, bf16, bf16p, fp16)] == [False, False, True, False]
     assert [p.loss_scaling for p in (fp32, bf16, bf16p, fp16)] == [False, False, False, True]
+    fp8 = PRECISIONS["fp8"]  # bf16 with the blocks' matmuls in fp8 (tests/test_fp8.py)
+    assert (fp8.param_dtype, fp8.compute_dtype, fp8.output_dtype, fp8.fp8_matmuls) == (F32, BF16, F32, True)
     for name, p in PRECISIONS.items():
         assert p.name == name and precision(name) is p and precision(p) is p
         assert all(isinstance(d, np.dtype) for d in (p.param_dtype, p.compute_dtype, p.output_dtype))

@@ -84,11 +84,14 @@ class GPTJob:
 
 def gpt_loss_sum_fn(apply_fn: Callable[..., jax.Array], model_state: Any) -> SummedLossFn:
     """``loss_sum_fn(params, batch, rng) -> (sum of token losses, number of tokens)`` (`SummedLossFn`) for
-    `make_train_step` and `openhosti_jax.balanced_step`."""
+    `make_train_step` and `openhosti_jax.balanced_step`; a batch with ``"segment_ids"`` is packed
+    (`openhosti_jax.models.segments`)."""
 
     def loss_sum_fn(params: Any, batch: dict[str, jax.Array], rng: jax.Array | None) -> tuple[jax.Array, jax.Array]:
-        logits = apply_fn(params, batch["tokens"], rng, model_state=model_state)
-        return next_token_loss(logits, batch["tokens"], batch.get("mask"))
+        seg = batch.get("segment_ids")
+        packed = {} if seg is None else {"segment_ids": seg}
+        logits = apply_fn(params, batch["tokens"], rng, model_state=model_state, **packed)
+        return next_token_loss(logits, batch["tokens"], batch.get("mask"), seg)
 
     return loss_sum_fn
 

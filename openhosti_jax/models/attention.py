@@ -22,14 +22,16 @@ Example:
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from openhosti_jax.errors import ConfigError
-from openhosti_jax.models.context import Strategy, context_attention, context_size, over_mesh
+from openhosti_jax.models.context import Strategy, context_attention, context_size
+from openhosti_jax.models.local import over_mesh
+from openhosti_jax.models.segments import check_segment_ids, segment_mask
 from openhosti_jax.models.splash import BLOCKS, DTYPES, LANES, MAX_HEAD_DIM, splash_attention, splash_problem
 
 
@@ -38,20 +40,21 @@ def causal_mask(first: jax.Array | int, queries: int, keys: int) -> jax.Array:
     return (first + jnp.arange(queries))[:, None] >= jnp.arange(keys)[None, :]
 
 
-def query_blocks(attend: Callable[[jax.Array, jax.Array], jax.Array], q: jax.Array, block: int | None) -> jax.Array:
-    """``attend(q, 0)`` computed ``block`` queries at a time (``q``: batch, then sequence), each block under
-    `jax.checkpoint` so that only its inputs are kept for the backward. ``attend(q_block, first)`` gets the block
-    and the position of its first query. ``block`` None (or the whole sequence): one call."""
-    s = q.shape[1]
+def query_blocks(attend: Callable[[Any, jax.Array], jax.Array], q: Any, block: int | None) -> jax.Array:
+    """``attend(q, 0)`` computed ``block`` queries at a time (``q``: an array, or a pytree of arrays, each batch,
+    then sequence), each block under `jax.checkpoint` so that only its inputs are kept for the backward.
+    ``attend(q_block, first)`` gets the block (of each leaf) and the position of its first query. ``block`` None
+    (or the whole sequence): one call."""
+    b, s = jax.tree.leaves(q)[0].shape[:2]
     if block is None or block >= s:
         return attend(q, jnp.asarray(0))
     if s % block:
         raise ConfigError(f"attention_block={block} must divide the sequence length {s}; use a divisor of it")
     n = s // block
-    blocks = jnp.moveaxis(q.reshape(q.shape[0], n, block, *q.shape[2:]), 1, 0)
+    blocks = jax.tree.map(lambda x: jnp.moveaxis(x.reshape(b, n, block, *x.shape[2:]), 1, 0), q)
     step = jax.checkpoint(lambda qb, first: attend(qb, first))
     out = jax.lax.map(lambda a: step(*a), (blocks, jnp.arange(n) * block))
-    return jnp.moveaxis(out, 0, 1).reshape(*q.shape[:2], *out.shape[3:])
+    return jnp.moveaxis(out, 0, 1).reshape(b, s, *out.shape[3:])
 
 
 KERNELS = ("auto", "xla", "cudnn", "splash")
@@ -138,6 +141,7 @@ def causal_attention(
     block: int | None = None,
     context_strategy: Strategy = "ring",
     kernel: str = "auto",
+    segment_ids: jax.Array | None = None,
 ) -> jax.Array:
     """Causal grouped-query attention of ``q`` ``(batch, seq, heads, head_dim)`` over ``k``, ``v`` ``(batch, seq,
     kv_heads, head_dim)`` (query head ``h`` reads kv head ``h // (heads // kv_heads)``), scaled by ``head_dim **
@@ -151,6 +155,11 @@ def causal_attention(
     it, ``block`` unused. Else with ``block``: `query_blocks` of that many queries, scores and softmax in float32.
     Else `jax.nn.dot_product_attention`'s XLA implementation.
 
+    ``segment_ids`` ``(batch, seq)`` (packed documents, `openhosti_jax.models.segments`): a query sees the earlier
+    keys of its own segment only, on every path: the context axis's ring and gather (the ids travel with the keys),
+    the splash kernel's segment-ids argument, cuDNN's and XLA's attention through their ``mask`` (cuDNN takes it as
+    a bias: a ``seq x seq`` tile per sequence), the query blocks' masks.
+
     >>> import jax, jax.numpy as jnp
     >>> q = jax.random.normal(jax.random.key(0), (1, 8, 4, 2))
     >>> kv = jax.random.normal(jax.random.key(1), (1, 8, 2, 2))
@@ -162,27 +171,44 @@ def causal_attention(
     pieces = n if n == 1 or context_strategy == "all_gather" else 2 * n  # the ring's chunks are half a piece
     choice = attention_kernel(kernel, q.dtype, q.shape[-1], backend, q.shape[1], pieces)
     interpret = backend != "tpu"
+    seg = check_segment_ids(segment_ids, q.shape[:2])
     if n > 1:
         splash = choice == "splash"
         return context_attention(
-            q, k, v, strategy=context_strategy, kernel="splash" if splash else "xla", interpret=interpret
+            q,
+            k,
+            v,
+            strategy=context_strategy,
+            kernel="splash" if splash else "xla",
+            interpret=interpret,
+            segment_ids=seg,
         )
     if choice == "splash":
-        local = functools.partial(splash_attention, interpret=interpret)
+
+        def local(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+            ids = None if segment_ids is None else (segment_ids, segment_ids)
+            return splash_attention(q, k, v, interpret=interpret, segment_ids=ids)
+
         if mesh.empty or set(mesh.axis_names) <= set(mesh.manual_axes):
-            return local(q, k, v)
-        return over_mesh(local, q, k, v, mesh=mesh, check_vma=False)
+            return local(q, k, v, seg)
+        return over_mesh(local, q, k, v, mesh=mesh, check_vma=False, segment_ids=seg)
+    mask = None if seg is None else segment_mask(seg, seg)[:, None]
     if choice == "cudnn":
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation="cudnn")
     if block is None or block >= q.shape[1]:
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True)
     b, s, h, d = q.shape
     kvh = k.shape[2]
     grouped = q.reshape(b, s, kvh, h // kvh, d)
+    blocked = grouped if seg is None else (grouped, seg)
 
-    def attend(qb: jax.Array, first: jax.Array) -> jax.Array:
+    def attend(qb: Any, first: jax.Array) -> jax.Array:
+        qb, ids = (qb, None) if seg is None else qb
+        keep = causal_mask(first, qb.shape[1], s)[None]
+        if ids is not None:  # this block's query ids against every key's
+            keep = keep & segment_mask(ids, seg)
         att = jnp.einsum("bqngd,bknd->bngqk", qb, k, preferred_element_type=jnp.float32) * d**-0.5
-        att = jnp.where(causal_mask(first, qb.shape[1], s), att, jnp.finfo(att.dtype).min)
+        att = jnp.where(keep[:, None, None], att, jnp.finfo(att.dtype).min)
         return jnp.einsum("bngqk,bknd->bqngd", jax.nn.softmax(att, axis=-1).astype(v.dtype), v)
 
-    return query_blocks(attend, grouped, block).reshape(q.shape)
+    return query_blocks(attend, blocked, block).reshape(q.shape)

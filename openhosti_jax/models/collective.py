@@ -48,7 +48,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from openhosti_jax.errors import ShardingError
-from openhosti_jax.models.context import TENSOR_AXIS
+from openhosti_jax.models.local import TENSOR_AXIS
 from openhosti_jax.state.context import collective_matmul_mesh
 
 __all__ = ["gathered_matmuls", "project_in", "project_out", "scattered_matmul"]

@@ -64,11 +64,13 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from openhosti_jax.errors import ConfigError, ShardingError
-from openhosti_jax.mesh.config import SEQUENCE_AXIS, TOKEN_AXES
+from openhosti_jax.mesh.config import SEQUENCE_AXIS
+from openhosti_jax.models.local import over_mesh, tensor_ways
+from openhosti_jax.models.segments import segment_mask
 from openhosti_jax.models.splash import gathered_kernel, splash_attention, splash_problem, splash_stats
 
 Strategy = Literal["ring", "all_gather"]
@@ -77,16 +79,15 @@ Strategy = Literal["ring", "all_gather"]
 STRATEGIES: tuple[str, ...] = ("ring", "all_gather")
 """Every `Strategy`."""
 
-TENSOR_AXIS = "tensor"
-"""The axis the heads are split over inside the attention, where the mesh has it."""
-
 Stats = tuple[jax.Array, jax.Array, jax.Array]
 """An online-softmax partial result: (row max ``(b, q, n, g)``, row sum of exponentials, unnormalised output
 ``(b, q, n, g, d)``), all float32."""
 
-Attend = Callable[[jax.Array, jax.Array, jax.Array, bool], Stats]
-"""``attend(q, k, v, causal)``: the `Stats` of grouped queries ``(b, q, n, g, d)`` over keys and values ``(b, k, n,
-d)``, all visible or (``causal``) query ``i`` over keys ``0..i``."""
+Attend = Callable[[jax.Array, jax.Array, jax.Array, bool, Any], Stats]
+"""``attend(q, k, v, causal, segments)``: the `Stats` of grouped queries ``(b, q, n, g, d)`` over keys and values
+``(b, k, n, d)``, all visible or (``causal``) query ``i`` over keys ``0..i``, and (``segments``: ``(query ids (b, q),
+key ids (b, k))``, else None) only keys of the query's own segment. A row that sees no key weighs nothing once
+merged with one that does (every query sees itself in the ring's first step)."""
 
 
 def context_size(mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None, axis: str = SEQUENCE_AXIS) -> int:
@@ -145,10 +146,12 @@ def _from_balanced(x: jax.Array, axis: str, n: int) -> jax.Array:
 @jax.checkpoint
 def _block(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, scale: float) -> Stats:
     """The online-softmax partial result of queries ``q`` (b, q, n, g, d) over keys/values (b, k, n, d), ``mask``
-    (q, k) or None (all visible); every query row must see at least one key."""
+    (q, k) or (b, q, k), or None (all visible). A row that sees no key has the float32 minimum as its max, so a
+    merge with a row that sees one gives it no weight."""
     s = jnp.einsum("bqngd,bknd->bqngk", q, k, preferred_element_type=jnp.float32) * scale
     if mask is not None:
-        s = jnp.where(mask[None, :, None, None, :], s, jnp.finfo(jnp.float32).min)
+        mask = mask if mask.ndim == 3 else mask[None]
+        s = jnp.where(mask[:, :, None, None, :], s, jnp.finfo(jnp.float32).min)
     m = jax.lax.stop_gradient(jnp.max(s, axis=-1))  # the result does not depend on the shift
     p = jnp.exp(s - m[..., None])
     out = jnp.einsum("bqngk,bknd->bqngd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
@@ -171,43 +174,72 @@ def _select(pred: jax.Array, a: Stats, b: Stats) -> Stats:
 
 
 def _xla_block(scale: float) -> Attend:
-    """`_block` as an `Attend`: a causal block masked by its lower triangle."""
+    """`_block` as an `Attend`: a causal block masked by its lower triangle, and by the segments where given."""
 
-    def attend(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool) -> Stats:
-        return _block(q, k, v, jnp.tril(jnp.ones((q.shape[1], k.shape[1]), bool)) if causal else None, scale)
+    def attend(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool, segments: Any = None) -> Stats:
+        mask = jnp.tril(jnp.ones((q.shape[1], k.shape[1]), bool)) if causal else None
+        if segments is not None:
+            same = segment_mask(*segments)
+            mask = same if mask is None else same & mask[None]
+        return _block(q, k, v, mask, scale)
 
     return attend
 
 
-def _ring(q: jax.Array, k: jax.Array, v: jax.Array, axis: str, n: int, attend: Attend) -> jax.Array:
+def _splash_block(scale: float, interpret: bool) -> Attend:
+    """`splash_stats` as an `Attend`."""
+
+    def attend(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool, segments: Any = None) -> Stats:
+        return splash_stats(q, k, v, causal, scale, interpret, segments)
+
+    return attend
+
+
+def _ring(
+    q: jax.Array, k: jax.Array, v: jax.Array, axis: str, n: int, attend: Attend, seg: jax.Array | None = None
+) -> jax.Array:
     """Causal attention of the local balanced pieces (chunks ``i``, ``2n-1-i``) with keys/values round the ring,
-    each block by ``attend``."""
+    each block by ``attend``; ``seg``: the local tokens' segment ids (b, 2c), which travel with the keys."""
     c = q.shape[1] // 2
     qa, qb = q[:, :c], q[:, c:]
-    a = attend(qa, k[:, :c], v[:, :c], True)  # chunk i over itself
-    b = _merge(attend(qb, k[:, :c], v[:, :c], False), attend(qb, k[:, c:], v[:, c:], True))
+    sa, sb = (None, None) if seg is None else (seg[:, :c], seg[:, c:])
+
+    def ids(qs: jax.Array | None, ks: jax.Array | None) -> Any:
+        return None if qs is None else (qs, ks)
+
+    a = attend(qa, k[:, :c], v[:, :c], True, ids(sa, sa))  # chunk i over itself
+    b = _merge(attend(qb, k[:, :c], v[:, :c], False, ids(sb, sa)), attend(qb, k[:, c:], v[:, c:], True, ids(sb, sb)))
     i = jax.lax.axis_index(axis)
 
     def step(carry: tuple, t: jax.Array) -> tuple[tuple, None]:
-        k, v, a, b = carry
-        k, v = jax.lax.ppermute((k, v), axis, [(j, (j + 1) % n) for j in range(n)])  # now device i - t's
+        k, v, ks, a, b = carry
+        k, v, ks = jax.lax.ppermute((k, v, ks), axis, [(j, (j + 1) % n) for j in range(n)])  # now device i - t's
         ka, va, kb, vb = k[:, :c], v[:, :c], k[:, c:], v[:, c:]
-        b = _merge(b, attend(qb, ka, va, False))  # chunk 2n-1-i sees all of chunk i - t (mod n)
+        ksa, ksb = (None, None) if ks is None else (ks[:, :c], ks[:, c:])
+        b = _merge(b, attend(qb, ka, va, False, ids(sb, ksa)))  # chunk 2n-1-i sees all of chunk i - t (mod n)
         earlier = t <= i  # keys of a device before this one: its first chunk is before both of ours
-        part = attend(jnp.where(earlier, qa, qb), jnp.where(earlier, ka, kb), jnp.where(earlier, va, vb), False)
+        pick = functools.partial(jnp.where, earlier)
+        part = attend(
+            pick(qa, qb), pick(ka, kb), pick(va, vb), False, None if seg is None else (pick(sa, sb), pick(ksa, ksb))
+        )
         merged = _merge(_select(earlier, a, b), part)
-        return (k, v, _select(earlier, merged, a), _select(earlier, b, merged)), None
+        return (k, v, ks, _select(earlier, merged, a), _select(earlier, b, merged)), None
 
-    (_, _, a, b), _ = jax.lax.scan(step, (k, v, a, b), jnp.arange(1, n))
+    (_, _, _, a, b), _ = jax.lax.scan(step, (k, v, seg, a, b), jnp.arange(1, n))
     return jnp.concatenate([_finish(a, q.dtype), _finish(b, q.dtype)], axis=1)
 
 
-def _gathered(q: jax.Array, k: jax.Array, v: jax.Array, axis: str, n: int, scale: float) -> jax.Array:
-    """Causal attention of the local contiguous piece over the whole sequence's gathered keys/values."""
+def _gathered(
+    q: jax.Array, k: jax.Array, v: jax.Array, axis: str, n: int, scale: float, seg: jax.Array | None = None
+) -> jax.Array:
+    """Causal attention of the local contiguous piece over the whole sequence's gathered keys/values (and, with
+    ``seg``, their gathered segment ids)."""
     size = q.shape[1]
     k, v = (jax.lax.all_gather(t, axis, axis=1, tiled=True) for t in (k, v))
     first = jax.lax.axis_index(axis) * size
     mask = (first + jnp.arange(size))[:, None] >= jnp.arange(size * n)[None, :]
+    if seg is not None:
+        mask = mask[None] & segment_mask(seg, jax.lax.all_gather(seg, axis, axis=1, tiled=True))
     return _finish(_block(q, k, v, mask, scale), q.dtype)
 
 
@@ -234,87 +266,21 @@ def _check(q: jax.Array, k: jax.Array, v: jax.Array, strategy: str, n: int, axis
         )
 
 
-def _batch_axes(mesh: jax.sharding.AbstractMesh, rows: int) -> tuple[str, ...]:
-    """The data-parallel axes of ``mesh`` the ``rows`` are split over inside the attention (those that divide)."""
-    out, ways = [], 1
-    for a in TOKEN_AXES:
-        size = int(dict(mesh.shape).get(a, 1))
-        if a in mesh.axis_names and a not in mesh.manual_axes and size > 1 and rows % (ways * size) == 0:
-            out.append(a)
-            ways *= size
-    return tuple(out)
-
-
-def _balanced_ring(q: jax.Array, k: jax.Array, v: jax.Array, axis: str, n: int, attend: Attend) -> jax.Array:
+def _balanced_ring(
+    q: jax.Array, k: jax.Array, v: jax.Array, axis: str, n: int, attend: Attend, seg: jax.Array | None = None
+) -> jax.Array:
     """`_ring` on the local contiguous pieces: queries, keys and values moved into the balanced layout together (one
-    pair of exchanges), the output moved back."""
+    pair of exchanges; the segment ids by another), the output moved back."""
     widths = (q.shape[2:], k.shape[2:])
     flat = _to_balanced(jnp.concatenate([x.reshape(*x.shape[:2], -1) for x in (q, k, v)], axis=-1), axis, n)
     nq, nk = math.prod(widths[0]), math.prod(widths[1])
     lq, lk, lv = flat[..., :nq], flat[..., nq : nq + nk], flat[..., nq + nk :]
     b, s = flat.shape[:2]
+    seg = None if seg is None else _to_balanced(seg, axis, n)
     out = _ring(
-        lq.reshape(b, s, *widths[0]), lk.reshape(b, s, *widths[1]), lv.reshape(b, s, *widths[1]), axis, n, attend
+        lq.reshape(b, s, *widths[0]), lk.reshape(b, s, *widths[1]), lv.reshape(b, s, *widths[1]), axis, n, attend, seg
     )
     return _from_balanced(out, axis, n)
-
-
-def _tensor_ways(mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh, axis: str | None) -> int:
-    """How many ways `over_mesh` splits the heads: the tensor axis's size where it is free and not ``axis``."""
-    free = TENSOR_AXIS in mesh.axis_names and TENSOR_AXIS not in getattr(mesh, "manual_axes", ())
-    return int(dict(mesh.shape)[TENSOR_AXIS]) if free and TENSOR_AXIS != axis else 1
-
-
-def over_mesh(
-    local: Callable[..., jax.Array],
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    *,
-    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh,
-    axis: str | None = None,
-    extra: tuple[Any, Any] | None = None,
-    check_vma: bool = True,
-) -> jax.Array:
-    """``local(q, k, v[, extra])`` on every device of ``mesh`` inside `jax.shard_map`, laid out like ``q``: the batch
-    split over the data-parallel axes that divide it, the sequence over ``axis`` (None: whole), the heads over
-    ``tensor`` (key/value heads repeated, then sliced, where the tensor axis splits more ways than there are: each
-    device's ``k``, ``v`` are then the kv heads its query heads read); other axes replicated. ``extra``: ``(value,
-    in_spec)`` of one more argument (a kernel's block masks). ``check_vma=False`` where ``local`` holds a Pallas
-    call (its outputs carry no varying-axes type). `ShardingError` when the tensor axis does not divide the heads.
-    """
-    free = [a for a in mesh.axis_names if a not in getattr(mesh, "manual_axes", ())]
-    t, h, kvh = _tensor_ways(mesh, axis), q.shape[2], k.shape[2]
-    if h % t:
-        raise ShardingError(
-            f"attention splits the {h} query heads over the {TENSOR_AXIS!r} axis of size {t}, which does not divide "
-            f"them; use a tensor axis size dividing {h}"
-        )
-    rep = t // math.gcd(kvh, t)  # kv heads repeated this often split over the tensor axis with their query heads
-    rows = _batch_axes(mesh, q.shape[0])
-    heads = TENSOR_AXIS if t > 1 else None
-    q_spec, kv_spec = P(rows or None, axis, heads, None), P(rows or None, axis, heads if rep == 1 else None, None)
-
-    def body(q: jax.Array, k: jax.Array, v: jax.Array, *more: Any) -> jax.Array:
-        if rep > 1:  # this device's query heads read the kv heads [first, first + width) of the repeated ones
-            width = kvh * rep // t
-            first = jax.lax.axis_index(TENSOR_AXIS) * width
-            k, v = (jax.lax.dynamic_slice_in_dim(jnp.repeat(x, rep, axis=2), first, width, axis=2) for x in (k, v))
-        return local(q, k, v, *more)
-
-    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
-    explicit = any(types[a] == AxisType.Explicit for a in free)
-    args, specs = [q, k, v], [q_spec, kv_spec, kv_spec]
-    if extra is not None:
-        args.append(extra[0])
-        specs.append(extra[1])
-    if explicit:  # shard_map then wants its inputs placed as specified; the output goes back to q's placement
-        placed = jax.typeof(q).sharding.spec
-        args = jax.tree.map(lambda x, s: jax.reshard(x, NamedSharding(mesh, s)), args, specs)
-    out = jax.shard_map(
-        body, mesh=mesh, in_specs=tuple(specs), out_specs=q_spec, axis_names=set(free), check_vma=check_vma
-    )(*args)
-    return jax.reshard(out, NamedSharding(mesh, placed)) if explicit else out
 
 
 def context_attention(
@@ -328,10 +294,13 @@ def context_attention(
     mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
     kernel: str = "xla",
     interpret: bool = False,
+    segment_ids: jax.Array | None = None,
 ) -> jax.Array:
     """Causal attention of ``q`` ``(batch, seq, heads, head_dim)`` over ``k``, ``v`` ``(batch, seq, kv_heads,
     head_dim)`` with the sequence split over ``axis`` of ``mesh`` (default: the ambient mesh), by ``strategy``;
     equal to `jax.nn.dot_product_attention` with ``is_causal=True``. ``scale`` defaults to ``head_dim ** -0.5``.
+    ``segment_ids`` ``(batch, seq)`` (packed documents, `openhosti_jax.models.segments`): a query sees keys of its
+    own segment only; they travel round the ring with the keys (or are gathered with them).
 
     ``kernel`` computes each device's blocks: ``"xla"`` (einsums, each block recomputed in the backward) or
     ``"splash"`` (`openhosti_jax.models.splash`; ``interpret``: in Pallas's interpreter, off a TPU): the ring's
@@ -361,20 +330,21 @@ def context_attention(
             "sequence length whose pieces are multiples of 128"
         )
     splash = kernel == "splash"
-    attend = functools.partial(splash_stats, scale=scale, interpret=interpret) if splash else _xla_block(scale)
+    attend = _splash_block(scale, interpret) if splash else _xla_block(scale)
     extra = None
     if splash and strategy == "all_gather":
-        whole = gathered_kernel(q.shape[2] // _tensor_ways(mesh, axis), q.shape[1], n, interpret)
+        whole = gathered_kernel(q.shape[2] // tensor_ways(mesh, axis), q.shape[1], n, interpret)
         extra = (whole, whole.manual_sharding_spec(NamedSharding(mesh, P(None, axis))))
 
-    def local(q: jax.Array, k: jax.Array, v: jax.Array, *whole: Any) -> jax.Array:
+    def local(q: jax.Array, k: jax.Array, v: jax.Array, *whole: Any, segment_ids: Any = None) -> jax.Array:
         b, s, h_local, d = q.shape
         if whole:
             k, v = (jax.lax.all_gather(x, axis, axis=1, tiled=True) for x in (k, v))
-            return splash_attention(q, k, v, kernel=whole[0])
+            seg = None if segment_ids is None else (segment_ids, jax.lax.all_gather(segment_ids, axis, 1, tiled=True))
+            return splash_attention(q, k, v, kernel=whole[0], segment_ids=seg)
         grouped = q.reshape(b, s, k.shape[2], h_local // k.shape[2], d)
         if strategy == "all_gather":
-            return _gathered(grouped, k, v, axis, n, scale).reshape(b, s, h_local, d)
-        return _balanced_ring(grouped, k, v, axis, n, attend).reshape(b, s, h_local, d)
+            return _gathered(grouped, k, v, axis, n, scale, segment_ids).reshape(b, s, h_local, d)
+        return _balanced_ring(grouped, k, v, axis, n, attend, segment_ids).reshape(b, s, h_local, d)
 
-    return over_mesh(local, q, k, v, mesh=mesh, axis=axis, extra=extra, check_vma=not splash)
+    return over_mesh(local, q, k, v, mesh=mesh, axis=axis, extra=extra, check_vma=not splash, segment_ids=segment_ids)

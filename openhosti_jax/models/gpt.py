@@ -25,6 +25,7 @@ from openhosti_jax.models.attention import KERNELS, causal_attention
 from openhosti_jax.models.collective import project_in, project_out
 from openhosti_jax.models.context import STRATEGIES
 from openhosti_jax.models.placement import constrain_activation, constrain_logits, constrain_unsplit, lookup
+from openhosti_jax.models.segments import check_segment_ids, segment_positions, target_weights
 from openhosti_jax.policies.remat import keep
 from openhosti_jax.sharding.rules import LAYER_AXIS
 from openhosti_jax.state.blocks import stack_modules
@@ -171,7 +172,7 @@ class Block(nnx.Module):
         keep = jax.random.bernoulli(rng, 1.0 - self.cfg.dropout, x.shape)
         return jnp.where(keep, x / (1.0 - self.cfg.dropout), 0.0).astype(x.dtype)
 
-    def __call__(self, x: jax.Array, rng: jax.Array | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array, rng: jax.Array | None = None, segment_ids: jax.Array | None = None) -> jax.Array:
         b, s, _ = x.shape
         nh, a = self.cfg.n_heads, self.cfg.attention_width
         r1, r2 = jax.random.split(rng) if rng is not None else (None, None)
@@ -180,7 +181,13 @@ class Block(nnx.Module):
         q, k, v = (t.reshape(b, s, nh, a // nh) for t in (q, k, v))
         cfg = self.cfg
         y = causal_attention(
-            q, k, v, block=cfg.attention_block, context_strategy=cfg.context_strategy, kernel=cfg.attention_kernel
+            q,
+            k,
+            v,
+            block=cfg.attention_block,
+            context_strategy=cfg.context_strategy,
+            kernel=cfg.attention_kernel,
+            segment_ids=segment_ids,
         )
         y = keep(y.reshape(b, s, a))
         x = x + self._drop(project_out(y, self.proj), r1)
@@ -193,14 +200,14 @@ def stacked_blocks(cfg: GPTConfig, rngs: nnx.Rngs) -> Block:
     return stack_modules(lambda r: Block(cfg, rngs=r), cfg.n_layers, rngs)
 
 
-@nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: LAYER_AXIS})
-def _scan_blocks(x: jax.Array, block: Block) -> jax.Array:
-    return block(x)
+@nnx.scan(in_axes=(nnx.Carry, 0, None), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: LAYER_AXIS})
+def _scan_blocks(x: jax.Array, block: Block, segment_ids: jax.Array | None) -> jax.Array:
+    return block(x, None, segment_ids)
 
 
-@nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: LAYER_AXIS})
-def _scan_blocks_rng(x: jax.Array, block: Block, rng: jax.Array) -> jax.Array:
-    return block(x, rng)
+@nnx.scan(in_axes=(nnx.Carry, 0, 0, None), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: LAYER_AXIS})
+def _scan_blocks_rng(x: jax.Array, block: Block, rng: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
+    return block(x, rng, segment_ids)
 
 
 class GPT(nnx.Module):
@@ -219,29 +226,42 @@ class GPT(nnx.Module):
         self.ln_f = nnx.LayerNorm(cfg.d_model, rngs=rngs, dtype=dt)
         self.head = nnx.Linear(cfg.d_model, cfg.vocab_size, rngs=rngs, dtype=dt)
 
-    def __call__(self, tokens: jax.Array, rng: jax.Array | None = None) -> jax.Array:
+    def __call__(
+        self, tokens: jax.Array, rng: jax.Array | None = None, *, segment_ids: jax.Array | None = None
+    ) -> jax.Array:
+        """float32 logits ``(batch, seq, vocab_size)`` of int ``tokens`` ``(batch, seq)``; ``segment_ids`` (the
+        tokens' shape) packs documents into a row (`openhosti_jax.models.segments`): each attends within itself and
+        its positions restart at 0, as if run alone."""
         s = tokens.shape[1]
-        x = constrain_activation(lookup(self.wte, tokens) + self.wpe(jnp.arange(s))[None])
+        seg = check_segment_ids(segment_ids, tokens.shape)
+        positions = jnp.arange(s)[None] if seg is None else segment_positions(seg)
+        x = constrain_activation(lookup(self.wte, tokens) + self.wpe(positions))
         n = self.cfg.n_layers
         if self.cfg.scan_layers:
             x = (
-                _scan_blocks(x, self.blocks)
+                _scan_blocks(x, self.blocks, seg)
                 if rng is None
-                else _scan_blocks_rng(x, self.blocks, jax.random.split(rng, n))
+                else _scan_blocks_rng(x, self.blocks, jax.random.split(rng, n), seg)
             )
         else:
             rngs = jax.random.split(rng, n) if rng is not None else [None] * n
             for block, r in zip(self.blocks, rngs, strict=True):
-                x = block(x, r)
+                x = block(x, r, seg)
         x = constrain_unsplit(self.ln_f(x))  # the vocabulary-parallel head takes the whole sequence
         return constrain_logits(constrain_logits(self.head(x)).astype(jnp.float32))  # split as computed
 
 
-def next_token_loss(logits: jax.Array, tokens: jax.Array, mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """(sum of next-token cross-entropies, number of predicted tokens) for ``logits`` of ``tokens``."""
+def next_token_loss(
+    logits: jax.Array, tokens: jax.Array, mask: jax.Array | None = None, segment_ids: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """(sum of next-token cross-entropies, number of predicted tokens) for ``logits`` of ``tokens``; ``mask``
+    weighs each target, ``segment_ids`` drops the targets that start a document or are padding
+    (`openhosti_jax.models.segments.target_weights`)."""
     logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
     nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
     weights = jnp.ones_like(nll) if mask is None else mask[:, 1:].astype(nll.dtype)
+    if segment_ids is not None:
+        weights = weights * target_weights(check_segment_ids(segment_ids, tokens.shape))
     return jnp.sum(nll * weights), jnp.sum(weights)
 
 

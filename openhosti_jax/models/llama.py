@@ -43,6 +43,7 @@ from openhosti_jax.models.collective import project_in, project_out
 from openhosti_jax.models.context import STRATEGIES
 from openhosti_jax.models.moe import MoEAux, MoEBlock, MoEConfig, moe_layer
 from openhosti_jax.models.placement import constrain_logits, constrain_unsplit, lookup
+from openhosti_jax.models.segments import check_segment_ids, segment_positions
 from openhosti_jax.policies.remat import keep
 from openhosti_jax.sharding.rules import LAYER_AXIS
 from openhosti_jax.state.blocks import stack_modules
@@ -339,20 +340,25 @@ class RMSNorm(nnx.Module):
         return y.astype(self.dtype) * self.weight[...].astype(self.dtype)
 
 
-def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+def rope_tables(
+    seq_len: int, head_dim: int, theta: float, positions: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
     """(cos, sin), each ``(seq_len, head_dim // 2)`` float32: angle ``p * theta ** (-2i / head_dim)`` of position
-    ``p`` and frequency ``i``."""
+    ``p`` and frequency ``i``; with ``positions`` ``(batch, seq_len)``, each ``(batch, seq_len, head_dim // 2)`` at
+    those positions (packed documents)."""
     inv_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-    angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+    p = jnp.arange(seq_len, dtype=jnp.float32) if positions is None else positions.astype(jnp.float32)
+    angles = p[..., None] * inv_freq
     return jnp.cos(angles), jnp.sin(angles)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """Rotate ``x`` ``(batch, seq, heads, head_dim)``: feature ``i`` of the first half pairs with feature ``i`` of
-    the second half (the Hugging Face layout), rotated by the angle of ``(cos, sin)`` ``(seq, head_dim // 2)``."""
+    the second half (the Hugging Face layout), rotated by the angle of ``(cos, sin)`` ``([batch,] seq, head_dim //
+    2)``."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
-    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    c, s = (cos[None, :, None, :], sin[None, :, None, :]) if cos.ndim == 2 else (cos[:, :, None], sin[:, :, None])
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
 
 
@@ -383,8 +389,10 @@ class Block(nnx.Module):
             self.up = dense(d, cfg.ffn, "embed", "mlp")
             self.down = dense(cfg.ffn, d, "mlp", "embed")
 
-    def attention(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-        """Causal grouped-query self-attention of normed ``x`` ``(batch, seq, d_model)``."""
+    def attention(
+        self, x: jax.Array, cos: jax.Array, sin: jax.Array, segment_ids: jax.Array | None = None
+    ) -> jax.Array:
+        """Causal grouped-query self-attention of normed ``x`` ``(batch, seq, d_model)`` (within each segment)."""
         b, s, d = x.shape
         kvh, hd = self.cfg.n_kv_heads, self.cfg.head_dim
         group = self.cfg.n_heads // kvh
@@ -394,13 +402,21 @@ class Block(nnx.Module):
         v = keep(v).reshape(b, s, kvh, hd)
         cfg = self.cfg  # query head h reads kv head h // group
         y = causal_attention(
-            q, k, v, block=cfg.attention_block, context_strategy=cfg.context_strategy, kernel=cfg.attention_kernel
+            q,
+            k,
+            v,
+            block=cfg.attention_block,
+            context_strategy=cfg.context_strategy,
+            kernel=cfg.attention_kernel,
+            segment_ids=segment_ids,
         )
         y = keep(y.reshape(b, s, d))
         return project_out(y, self.wo)
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array | tuple[jax.Array, MoEAux]:
-        x = x + self.attention(self.attn_norm(x), cos, sin)
+    def __call__(
+        self, x: jax.Array, cos: jax.Array, sin: jax.Array, segment_ids: jax.Array | None = None
+    ) -> jax.Array | tuple[jax.Array, MoEAux]:
+        x = x + self.attention(self.attn_norm(x), cos, sin, segment_ids)
         h = self.mlp_norm(x)
         if hasattr(self, "moe"):
             y, aux = moe_layer(self.moe.config(), self.moe.weights(), h)
@@ -415,16 +431,19 @@ def stacked_blocks(cfg: LlamaConfig, rngs: nnx.Rngs, *, n: int | None = None, mo
     return stack_modules(lambda r: Block(cfg, rngs=r, moe=moe), cfg.n_layers if n is None else n, rngs)
 
 
-@nnx.scan(in_axes=(nnx.Carry, 0, None, None), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: LAYER_AXIS})
-def _scan_blocks(x: jax.Array, block: Block, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    return block(x, cos, sin)
+_AXES = (nnx.Carry, 0, None, None, None)
 
 
-@nnx.scan(
-    in_axes=(nnx.Carry, 0, None, None), out_axes=(nnx.Carry, 0), transform_metadata={nnx.PARTITION_NAME: LAYER_AXIS}
-)
-def _scan_moe_blocks(x: jax.Array, block: Block, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, MoEAux]:
-    return block(x, cos, sin)
+@nnx.scan(in_axes=_AXES, out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: LAYER_AXIS})
+def _scan_blocks(x: jax.Array, block: Block, cos: jax.Array, sin: jax.Array, seg: jax.Array | None) -> jax.Array:
+    return block(x, cos, sin, seg)
+
+
+@nnx.scan(in_axes=_AXES, out_axes=(nnx.Carry, 0), transform_metadata={nnx.PARTITION_NAME: LAYER_AXIS})
+def _scan_moe_blocks(
+    x: jax.Array, block: Block, cos: jax.Array, sin: jax.Array, seg: jax.Array | None
+) -> tuple[jax.Array, MoEAux]:
+    return block(x, cos, sin, seg)
 
 
 def moe_loss(aux: MoEAux | None) -> jax.Array:
@@ -473,10 +492,17 @@ class Llama(nnx.Module):
         )
 
     def __call__(
-        self, tokens: jax.Array, rng: jax.Array | None = None, *, with_aux: bool = False
+        self,
+        tokens: jax.Array,
+        rng: jax.Array | None = None,
+        *,
+        with_aux: bool = False,
+        segment_ids: jax.Array | None = None,
     ) -> jax.Array | tuple[jax.Array, MoEAux | None]:
         """float32 logits ``(batch, seq, vocab_size)`` of int ``tokens`` ``(batch, seq)``, ``seq <= seq_len``;
         ``with_aux``: ``(logits, aux)``, ``aux`` the MoE layers' `MoEAux` stacked over them (None when dense).
+        ``segment_ids`` (the tokens' shape) packs documents into a row (`openhosti_jax.models.segments`): each
+        attends within itself and its rotary positions restart at 0, as if run alone.
 
         ``rng`` is accepted for the `GPT` calling convention and unused (Llama has no dropout).
         """
@@ -484,19 +510,21 @@ class Llama(nnx.Module):
         s = tokens.shape[1]
         if s > self.cfg.seq_len:
             raise StateError(f"expected at most seq_len={self.cfg.seq_len} tokens per sequence, found {s}")
-        cos, sin = rope_tables(s, self.cfg.head_dim, self.cfg.rope_theta)
+        seg = check_segment_ids(segment_ids, tokens.shape)
+        positions = None if seg is None else segment_positions(seg)
+        cos, sin = rope_tables(s, self.cfg.head_dim, self.cfg.rope_theta, positions)
         x = lookup(self.embed, tokens)
         auxes: list[MoEAux] = []
         if self.cfg.scan_layers and self.cfg.num_experts:
             if hasattr(self, "dense_blocks"):
-                x = _scan_blocks(x, self.dense_blocks, cos, sin)
-            x, stacked = _scan_moe_blocks(x, self.blocks, cos, sin)
+                x = _scan_blocks(x, self.dense_blocks, cos, sin, seg)
+            x, stacked = _scan_moe_blocks(x, self.blocks, cos, sin, seg)
             auxes = [stacked]
         elif self.cfg.scan_layers:
-            x = _scan_blocks(x, self.blocks, cos, sin)
+            x = _scan_blocks(x, self.blocks, cos, sin, seg)
         else:
             for block in self.blocks:
-                x = block(x, cos, sin)
+                x = block(x, cos, sin, seg)
                 if isinstance(x, tuple):
                     x, aux = x
                     auxes.append(jax.tree.map(lambda v: v[None], aux))

@@ -63,6 +63,9 @@ MAX_HEAD_DIM = 512
 Stats = tuple[jax.Array, jax.Array, jax.Array]
 """An online-softmax partial result, as `openhosti_jax.models.context.Stats`."""
 
+Segments = tuple[jax.Array, jax.Array]
+"""``(query segment ids (batch, q), key segment ids (batch, k))``, int32 (`openhosti_jax.models.segments`)."""
+
 
 def splash_problem(seq_len: int | None, dtype: Any, head_dim: int) -> str | None:
     """Why the kernel cannot take attention of ``dtype`` and ``head_dim`` over sequences (or, under a context
@@ -143,15 +146,23 @@ def splash_attention(
     *,
     interpret: bool = False,
     kernel: _sk.SplashAttentionKernel | None = None,
+    segment_ids: Segments | None = None,
 ) -> jax.Array:
     """Causal attention of one device's ``q`` ``(batch, seq, heads, head_dim)`` over ``k``, ``v`` ``(batch, seq,
     kv_heads, head_dim)``, scaled by ``head_dim ** -0.5``, laid out like ``q``; ``interpret``: in Pallas's
     interpreter (off a TPU). ``kernel``: a `gathered_kernel`'s local part, for this device's piece of the queries
-    over the whole sequence's keys (default: the causal kernel of queries and keys of one sequence)."""
+    over the whole sequence's keys (default: the causal kernel of queries and keys of one sequence).
+    ``segment_ids``: ``(query ids (batch, q), key ids (batch, k))``: a query sees keys of its own segment only (the
+    kernel's own segment-ids argument)."""
     _check(q, k, v)
     if kernel is None:
         kernel = _kernel(q.shape[2], q.shape[1], k.shape[1], True, 1, interpret, False)
-    out = jax.vmap(kernel)(_heads_major(q * q.shape[-1] ** -0.5), _heads_major(k), _heads_major(v))
+    args = (_heads_major(q * q.shape[-1] ** -0.5), _heads_major(k), _heads_major(v))
+    if segment_ids is None:
+        return _heads_major(jax.vmap(kernel)(*args))
+    out = jax.vmap(lambda q, k, v, sq, sk: kernel(q, k, v, segment_ids=_sk.SegmentIds(q=sq, kv=sk)))(
+        *args, *segment_ids
+    )
     return _heads_major(out)
 
 
@@ -174,39 +185,62 @@ def _check(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
 
 
 def splash_stats(
-    q: jax.Array, k: jax.Array, v: jax.Array, causal: bool, scale: float, interpret: bool = False
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    causal: bool,
+    scale: float,
+    interpret: bool = False,
+    segment_ids: Segments | None = None,
 ) -> Stats:
     """The online-softmax partial result ``(lse, ones, out)`` (each ``(b, q, n, g[, d])``, float32) of grouped
     queries ``q`` ``(b, q, n, g, d)`` over keys and values ``(b, k, n, d)``: all of them, or (``causal``) query
-    ``i`` over keys ``0..i`` of a block on the diagonal; differentiable in ``q``, ``k``, ``v`` through ``lse`` and
-    ``out`` both."""
+    ``i`` over keys ``0..i`` of a block on the diagonal, and (``segment_ids``) only keys of the query's segment;
+    differentiable in ``q``, ``k``, ``v`` through ``lse`` and ``out`` both. A query row that sees no key gets the
+    kernel's mask value as its ``lse`` (about -2.4e38), which weighs nothing in a merge with a row that sees one."""
     b, c, n, g, d = q.shape
     qh = (q * scale).transpose(0, 2, 3, 1, 4).reshape(b, n * g, c, d)
-    out, lse = _block(qh, _heads_major(k), _heads_major(v), causal, interpret)
+    out, lse = _block(qh, _heads_major(k), _heads_major(v), segment_ids, causal, interpret)
     lse = lse.reshape(b, n, g, c).transpose(0, 3, 1, 2)
     out = out.reshape(b, n, g, c, d).transpose(0, 3, 1, 2, 4).astype(jnp.float32)
     return lse, jnp.ones_like(lse), out
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _block(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool, interpret: bool) -> tuple[jax.Array, jax.Array]:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _block(
+    q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: Segments | None, causal: bool, interpret: bool
+) -> tuple[jax.Array, jax.Array]:
     """``(out, lse)`` of ``q`` ``(b, heads, c, d)`` (already scaled) over ``k``, ``v`` ``(b, kv_heads, c, d)``."""
-    return _block_fwd(q, k, v, causal, interpret)[0]
+    return _block_fwd(q, k, v, segment_ids, causal, interpret)[0]
 
 
-def _block_fwd(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool, interpret: bool) -> tuple[Any, Any]:
+def _ids(segment_ids: Segments | None) -> tuple[Any, Any]:
+    """The query and key segment ids to vmap over (``None`` each where there are none)."""
+    return segment_ids if segment_ids is not None else (None, None)
+
+
+def _block_fwd(
+    q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: Segments | None, causal: bool, interpret: bool
+) -> tuple[Any, Any]:
     kernel = _kernel(q.shape[1], q.shape[2], k.shape[2], causal, 1, interpret, True)
-    out, (lse,) = jax.vmap(kernel)(q, k, v)
-    return (out, lse), (q, k, v, out, lse)
+    sq, sk = _ids(segment_ids)
+
+    def one(q: jax.Array, k: jax.Array, v: jax.Array, sq: Any, sk: Any) -> Any:
+        return kernel(q, k, v, segment_ids=None if sq is None else _sk.SegmentIds(q=sq, kv=sk))
+
+    out, (lse,) = jax.vmap(one)(q, k, v, sq, sk)
+    return (out, lse), (q, k, v, segment_ids, out, lse)
 
 
-def _block_bwd(causal: bool, interpret: bool, res: tuple, cts: tuple) -> tuple[jax.Array, jax.Array, jax.Array]:
-    q, k, v, out, lse = res
+def _block_bwd(causal: bool, interpret: bool, res: tuple, cts: tuple) -> tuple[Any, ...]:
+    q, k, v, segment_ids, out, lse = res
     dout, dlse = cts
     dout = dout.astype(q.dtype)
     di = jnp.einsum("bhsd,bhsd->bhs", out.astype(jnp.float32), dout.astype(jnp.float32)) - dlse
     kernel = _kernel(q.shape[1], q.shape[2], k.shape[2], causal, 1, interpret, True)
-    return jax.vmap(functools.partial(_block_grads, kernel))(q, k, v, lse, dout, di)
+    sq, sk = _ids(segment_ids)
+    grads = jax.vmap(functools.partial(_block_grads, kernel))(q, k, v, lse, dout, di, sq, sk)
+    return (*grads, None)
 
 
 _block.defvjp(_block_fwd, _block_bwd)
@@ -221,9 +255,11 @@ def _collapsed(info: Any) -> Any:
 
 def _block_grads(
     kernel: _sk.SplashAttentionKernel, q: jax.Array, k: jax.Array, v: jax.Array, lse: jax.Array, do: jax.Array,
-    di: jax.Array,
+    di: jax.Array, sq: jax.Array | None = None, sk: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
-    """dq, dk, dv of one example's block by the kernel's dkv and dq passes with the row term ``di`` given."""
+    """dq, dk, dv of one example's block by the kernel's dkv and dq passes with the row term ``di`` given (and the
+    segment ids ``sq``, ``sk`` where there are some)."""
+    ids = None if sq is None else _sk.SegmentIds(q=sq, kv=sk)
     kw, sizes = kernel.kwargs, kernel.kwargs["block_sizes"]
     common = {
         "is_mqa": False,
@@ -236,7 +272,7 @@ def _block_grads(
         "interpret": kw["interpret"],
     }
     _, dk, dv = _sk._splash_attention_bwd_dkv(  # private: see the module docstring
-        q, k, v, None, None, lse, do, di,
+        q, k, v, ids, None, lse, do, di,
         bq=sizes.block_q_dkv,
         bkv=sizes.block_kv_dkv,
         bkv_compute=sizes.block_kv_dkv_compute,
@@ -245,7 +281,7 @@ def _block_grads(
         **common,
     )  # fmt: skip
     dq = _sk._splash_attention_bwd_dq(
-        q, k, v, None, None, lse, do, di,
+        q, k, v, ids, None, lse, do, di,
         bq=sizes.block_q_dq,
         bkv=sizes.block_kv_dq,
         mask_info=_collapsed(kernel.dq_mask_info),

@@ -48,6 +48,7 @@ from openhosti_jax.planner.search import (
 from openhosti_jax.planner.stacks import STACKS
 from openhosti_jax.planner.verify import compiled_step_bytes, default_step, step_accumulates
 from openhosti_jax.planner.workload import workload
+from openhosti_jax.policies.fp8 import device_fp8_problem, fp8_problem
 from openhosti_jax.policies.remat import REMAT_POLICIES
 from openhosti_jax.sharding.plan import ShardingPlan
 from openhosti_jax.sharding.report import PlanReport
@@ -55,6 +56,19 @@ from openhosti_jax.sharding.rules import DEFAULT_RULES, Rules
 
 REFINE_TIMING = {"steps": 4, "rounds": 6}
 """Steps per round and alternated rounds `time_plans` runs for each candidate ``refine`` times."""
+
+
+def fp8_refusal(devices: Sequence[jax.Device], profile: DeviceProfile) -> str | None:
+    """Why precision ``"fp8"`` cannot be chosen for ``devices`` (the first's backend, `device_fp8_problem`), or for
+    a cluster that is not attached (its ``profile``: a TPU's, or one with no fp8 rate); None where it can."""
+    if devices:
+        return device_fp8_problem(devices[0])
+    tpu = profile.name.startswith("TPU")
+    if tpu or profile.fp8_flops is None:
+        rated = [n for n, p in PROFILES.items() if p.fp8_flops and not n.startswith("TPU")]
+        problem = fp8_problem("tpu" if tpu else "gpu", profile.name)
+        return f"{problem} (profiles with an fp8 rate it runs on: {', '.join(rated)})"
+    return None
 
 
 def choose_plan(
@@ -124,10 +138,13 @@ def choose_plan(
         where, n_devices, remats = profile, len(devices), remat_options(remat, devices)
         budget, source = memory_budget_for(devices, profile, memory_budget)
     software = where.stack if isinstance(where, Cluster) else STACKS["openhosti"]
+    precisions = precision_options(precision)
+    if "fp8" in precisions and (problem := fp8_refusal(devices, profile)):
+        raise PlanningError(problem)
     candidates = enumerate_candidates(
         n_devices,
         pipeline=pipeline,
-        precisions=precision_options(precision),
+        precisions=precisions,
         max_tensor=where.devices_per_host if isinstance(where, Cluster) and where.hosts > 1 else None,
         max_stages=work.layer_count,
         pipeline_tensor=software.pipeline_tensor,

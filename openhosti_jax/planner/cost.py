@@ -822,10 +822,19 @@ def _tensor_collectives(lay: _Layout, acts: _Activations, comm: _Collectives) ->
     comm.add("reduce_scatter", acts.resharded * b_local, ("tensor",), k, what="tensor")
 
 
+def fp8_rate(profile: DeviceProfile) -> float:
+    """The FLOP/s precision ``"fp8"``'s matmuls run at: the profile's ``fp8_flops``, else (CPU, emulated) its bf16
+    peak."""
+    return profile.fp8_flops or profile.peak_flops
+
+
 def _compute_seconds(lay: _Layout, acts: _Activations, flops: float, aw: AttentionWork | None) -> float:
     """Seconds of the step's matmul FLOPs on one device, each matmul at the efficiency of its size; attention's at
-    the stack's kernel rate, its masked half skipped by a flash kernel, where the stack prices it apart."""
+    the stack's kernel rate, its masked half skipped by a flash kernel, where the stack prices it apart. Under
+    precision ``"fp8"`` the other matmuls (the output head's too, which runs in bf16: a few percent of a large
+    model's) at the profile's fp8 rate (`fp8_rate`), attention at the bf16 peak."""
     stack, peak = lay.cluster.stack, lay.profile.peak_flops
+    rate = fp8_rate(lay.profile) if lay.mp.fp8_matmuls else peak  # the projections' (attention stays bf16)
     eff = functools.partial(
         matmul_efficiency, lay.work, lay.profile, lay.b_local / lay.k, lay.t, acts.split_share, expert=lay.expert
     )
@@ -835,8 +844,10 @@ def _compute_seconds(lay: _Layout, acts: _Activations, flops: float, aw: Attenti
         # attention's matmuls at the kernel's own rate, the masked half skipped by a flash kernel
         att = flops * aw.attention_share * (0.5 if stack.causal_skip and aw.masked else 1.0)
         att_s = att / (peak * (stack.attention_efficiency or eff(True)))
-        return flops * (1 - aw.attention_share) / (peak * eff(False)) + att_s
-    return flops / (peak * eff())
+        return flops * (1 - aw.attention_share) / (rate * eff(False)) + att_s
+    if aw is not None and aw.attention_share and rate != peak:
+        return flops * (1 - aw.attention_share) / (rate * eff()) + flops * aw.attention_share / (peak * eff())
+    return flops / (rate * eff())
 
 
 def _memory_traffic(

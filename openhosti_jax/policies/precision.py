@@ -4,7 +4,9 @@ the dtype of the outputs (logits, loss), and whether the optimizer keeps an fp32
 ``"fp32"`` computes everything in float32; ``"bf16"`` stores float32 params and computes in bfloat16;
 ``"bf16_params"`` also stores the params in bfloat16, with an fp32 master copy and fp32 Adam moments in the
 optimizer (`openhosti_jax.policies.optimizers.with_master_weights`); ``"fp16"`` computes in float16 with dynamic
-loss scaling (`openhosti_jax.policies.optimizers.dynamic_loss_scale`).
+loss scaling (`openhosti_jax.policies.optimizers.dynamic_loss_scale`); ``"fp8"`` is ``"bf16"`` with the repeated
+blocks' linear layers multiplying in fp8, each operand scaled by its current maximum (`openhosti_jax.policies.fp8`;
+NVIDIA GPUs from Ada and Hopper on, and CPU emulated).
 
 Example:
     >>> import jax, jax.numpy as jnp
@@ -66,6 +68,8 @@ class Precision:
         master_weights: the optimizer keeps an fp32 master copy (and fp32 moments) because the params are stored
             in a low dtype.
         loss_scaling: gradients come from a dynamically scaled loss (needed for float16).
+        fp8_matmuls: the repeated blocks' linear layers multiply in fp8 with current per-tensor scaling
+            (`openhosti_jax.policies.fp8.fp8_dot_general`), the rest in ``compute_dtype``.
 
     Dtypes may be given as anything `numpy.dtype` accepts (``jnp.bfloat16``, ``"float32"``); they are stored as
     `numpy.dtype`. Only floating-point leaves are cast; integer, bool and non-array leaves pass through.
@@ -77,13 +81,14 @@ class Precision:
     output_dtype: np.dtype
     master_weights: bool = False
     loss_scaling: bool = False
+    fp8_matmuls: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise PlanningError(f"Precision.name: expected a non-empty string, found {self.name!r}")
         for field in ("param_dtype", "compute_dtype", "output_dtype"):
             object.__setattr__(self, field, _floating_dtype(getattr(self, field), field))
-        for field in ("master_weights", "loss_scaling"):
+        for field in ("master_weights", "loss_scaling", "fp8_matmuls"):
             if not isinstance(getattr(self, field), bool):
                 raise PlanningError(f"Precision.{field}: expected a bool, found {getattr(self, field)!r}")
 
@@ -107,6 +112,7 @@ PRECISIONS: dict[str, Precision] = {
     "bf16": Precision("bf16", _F32, _BF16, _F32),
     "bf16_params": Precision("bf16_params", _BF16, _BF16, _F32, master_weights=True),
     "fp16": Precision("fp16", _F32, _F16, _F32, loss_scaling=True),
+    "fp8": Precision("fp8", _F32, _BF16, _F32, fp8_matmuls=True),
 }
 """The built-in policies, by name."""
 

@@ -25,7 +25,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from openhosti_jax.errors import StateError, StepOutputError
+from openhosti_jax.errors import ConfigError, StateError, StepOutputError
+from openhosti_jax.policies.fp8 import device_fp8_problem
 from openhosti_jax.policies.precision import precision
 from openhosti_jax.sharding.plan import ShardingPlan
 from openhosti_jax.state.context import (
@@ -56,16 +57,20 @@ def jit_step(
     skip_nonfinite: bool = True,
     batch_shardings: Any = None,
     free_outputs: bool = False,
+    compiler_options: dict[str, Any] | None = None,
 ) -> tuple[Any, Any]:
     """(``fn`` jitted with the plan's in/out shardings for arguments shaped like ``state`` and ``batch``, the
     state's shardings). Metrics come back replicated. ``num_microbatches`` defaults to the plan's; ``layout``
     (default: found) says where the state keeps its parameters and optimizer state. ``batch_shardings`` (default:
     leading dims over the plan's batch spec) place the batch; ``free_outputs`` lets the step's second output be any
-    pytree (not only scalar metrics), placed where the compiler puts it. ``skip_nonfinite`` keeps the
-    old state when the step's gradients (or loss) are not finite (`openhosti_jax.state.guard`: inside
+    pytree (not only scalar metrics), placed where the compiler puts it. ``compiler_options``: XLA options for the
+    step's compile (`jax.jit`'s; `openhosti_jax.policies.compiler.step_settings` gives a GPU's). ``skip_nonfinite``
+    keeps the old state when the step's gradients (or loss) are not finite (`openhosti_jax.state.guard`: inside
     `TrainState.apply_gradients` when the state is one, else by a select after the step), except under a
     loss-scaling precision, whose optimizer skips those steps itself."""
     k = num_microbatches or plan.num_microbatches
+    if precision(plan.precision).fp8_matmuls and (problem := device_fp8_problem(mesh.devices.flat[0])):
+        raise ConfigError(problem)
     layout = layout if layout is not None else find_layout(state)
     guarded = skip_nonfinite and not precision(plan.precision).loss_scaling
     state_sh = plan.shardings(mesh, state_specs(plan, state, layout))
@@ -114,6 +119,7 @@ def jit_step(
         in_shardings=(state_sh, batch_sh),
         out_shardings=(state_sh, None if free_outputs else NamedSharding(mesh, P())),
         donate_argnums=(0,) if donate else (),
+        compiler_options=compiler_options or None,
     )
     return jitted, state_sh
 

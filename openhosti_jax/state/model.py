@@ -30,12 +30,14 @@ from flax import linen, nnx
 from jax.sharding import Mesh
 
 from openhosti_jax.errors import StateError
+from openhosti_jax.policies.fp8 import fp8_dot_general
 from openhosti_jax.policies.precision import Precision, precision
 from openhosti_jax.policies.remat import checkpoint
 from openhosti_jax.state.blocks import (
     linen_block_paths,
     mark_linen,
     mark_nnx,
+    nnx_blocks,
     remat_linen,
     remat_nnx,
     sequence_linen,
@@ -69,6 +71,8 @@ def nnx_apply_fn(graphdef: Any) -> ApplyFn:
             mark_nnx(module)
         if policies is not None:
             _set_compute_dtype(module, mp)
+            if mp.fp8_matmuls:
+                _set_fp8_matmuls(module)
             if remat_nnx(module, policies.remat) == 0:
                 call = checkpoint(module.__call__, policies.remat)
             if activations_sharded():
@@ -90,6 +94,17 @@ def _set_compute_dtype(module: nnx.Module, mp: Precision) -> None:
             object.__setattr__(sub, "dtype", mp.compute_dtype)
 
 
+def _set_fp8_matmuls(module: nnx.Module) -> None:
+    """Give every submodule with a ``dot_general`` (``nnx.Linear``, ``nnx.LinearGeneral``, ``nnx.Einsum``) inside
+    the repeated blocks (in the whole module where there are none) the fp8 one; the embedding and output head
+    outside the blocks stay in the compute dtype, as Transformer Engine and MaxText keep them."""
+    roots = [block for _, block in nnx_blocks(module)] or [module]
+    for root in roots:
+        for _, sub in nnx.iter_modules(root):
+            if callable(getattr(sub, "dot_general", None)):
+                object.__setattr__(sub, "dot_general", fp8_dot_general)
+
+
 def policy_apply_fn(apply_fn: ApplyFn, block_paths: set[tuple[str, ...]] | None = None) -> ApplyFn:
     """``apply_fn`` honouring the active policies: parameters and floating inputs cast to the compute dtype, outputs
     to the output dtype, and the remat policy on the linen modules at ``block_paths`` (a linen model) or on the whole
@@ -101,6 +116,12 @@ def policy_apply_fn(apply_fn: ApplyFn, block_paths: set[tuple[str, ...]] | None 
         if policies is None and not marked:
             return apply_fn(params, *args, **kwargs)
         mp = precision(policies.precision if policies else "fp32")
+        if mp.fp8_matmuls:
+            raise StateError(
+                f"precision={mp.name!r} multiplies in fp8 by giving the nnx linear layers of the model's repeated "
+                "blocks an fp8 dot_general, but this model is a linen module or a function, whose matmuls the "
+                "library cannot reach; use an nnx model, or precision='bf16'"
+            )
         remat = policies.remat if policies else "none"
         params, args = mp.cast_to_compute((params, args))
         kwargs = {k: v if k == "model_state" else mp.cast_to_compute(v) for k, v in kwargs.items()}

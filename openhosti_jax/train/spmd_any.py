@@ -49,6 +49,7 @@ from openhosti_jax.state.call import StepCall, arg_path, batch_leaves, bind, cal
 from openhosti_jax.state.jit import jit_step
 from openhosti_jax.state.layout import StateLayout
 from openhosti_jax.state.outputs import Recipe, canonical_step, restore, unreturned
+from openhosti_jax.train.compile_cache import caching_steps
 
 if TYPE_CHECKING:
     from openhosti_jax.train.spmd_step import SpmdStep
@@ -120,7 +121,7 @@ class AnyCalls:
         compiled = self._compile(call, state, data)
         state = _placed(state, compiled.state_shardings)
         data = self._place_data(data, compiled.flags)
-        with jax.set_mesh(step.mesh):
+        with jax.set_mesh(step.mesh), caching_steps():
             new, out = compiled.fn(state, data)
         call.update_graph(new)
         step.skipped_nonfinite = out.get("skipped_nonfinite")
@@ -175,6 +176,7 @@ class AnyCalls:
             skip_nonfinite=step.skip_nonfinite,
             batch_shardings=data_sh,
             free_outputs=True,
+            compiler_options=step.compiler_options(state),
         )
         self._compiled[key] = _Compiled(jitted, state_sh, recipe, flags)
         return self._compiled[key]

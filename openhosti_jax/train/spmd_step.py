@@ -43,6 +43,7 @@ from openhosti_jax.mesh.topology import target_mesh, tpu_target
 from openhosti_jax.microbatch import OOMRetryStep, find_microbatch
 from openhosti_jax.planner.aot import CompiledCheck, compile_check, lower_for
 from openhosti_jax.planner.predict import parse_mesh
+from openhosti_jax.policies.compiler import AppliedSettings, step_settings
 from openhosti_jax.sharding.batch import place_batch
 from openhosti_jax.sharding.plan import ShardingPlan
 from openhosti_jax.sharding.report import PlanReport
@@ -53,6 +54,7 @@ from openhosti_jax.state.jit import jit_eval, jit_step
 from openhosti_jax.state.layout import StateLayout, find_layout
 from openhosti_jax.state.model import abstract
 from openhosti_jax.state.train_state import TrainState
+from openhosti_jax.train.compile_cache import CompileCache, caching_steps, enable_compile_cache
 from openhosti_jax.train.create import PlanChoice, resolve_plan
 from openhosti_jax.train.spmd_any import AnyCalls
 
@@ -85,6 +87,7 @@ class SpmdStep:
         skip_nonfinite: bool = True,
         static_argnums: int | Sequence[int] = (),
         static_argnames: str | Sequence[str] = (),
+        compiler_settings: bool = True,
     ):
         functools.update_wrapper(self, fn)
         nums = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
@@ -114,6 +117,11 @@ class SpmdStep:
         self._agreed = False
         self._plan_fn: StepFn | None = None
         self._where: Callable | None = None
+        self.compiler_settings = compiler_settings
+        self.compile_cache: CompileCache | None = None
+        """Where compiled steps persist (`openhosti_jax.train.compile_cache`; after the first call)."""
+        self.settings: AppliedSettings | None = None
+        """The compiler settings the step compiles with (`openhosti_jax.policies.compiler`; after the first call)."""
         self.skipped_nonfinite: jax.Array | None = None
         """Whether the last call skipped a non-finite update (for steps of any other signature than
         ``(state, batch) -> (state, metrics)``, whose metrics report ``skipped_nonfinite`` instead)."""
@@ -206,8 +214,23 @@ class SpmdStep:
                 num_microbatches=k,
                 layout=self.layout,
                 skip_nonfinite=self.skip_nonfinite,
+                compiler_options=self.compiler_options(state),
             )
         return self._jitted[key]
+
+    def _enable_cache(self) -> None:
+        if self.compile_cache is None:
+            self.compile_cache = enable_compile_cache()
+            self.report.record(self.compile_cache.describe())
+
+    def compiler_options(self, state: Any) -> dict[str, Any]:
+        """The compiler options the step compiles with (`openhosti_jax.policies.compiler.step_settings` for this
+        step's mesh, sized from the state's parameters), decided once and recorded in ``step.report``."""
+        self._enable_cache()
+        if self.settings is None:
+            self.settings = step_settings(self.mesh, self.layout.params(abstract(state)), self.compiler_settings)
+            self.report.record(self.settings.describe())
+        return self.settings.options()
 
     def place(self, state: Any, batch: Any) -> tuple[Any, Any]:
         """(state moved to the plan's shardings if it is not there yet, batch sharded over the data axes)."""
@@ -314,7 +337,7 @@ class SpmdStep:
     def _run_with(self, size: int) -> Callable[[Any, Any], tuple[Any, Any]]:
         def run(state: Any, batch: Any) -> tuple[Any, Any]:
             fn, _ = self._compiled_fn(state, batch, self._per_device_batch(batch) // size)
-            with jax.set_mesh(self.mesh):
+            with jax.set_mesh(self.mesh), caching_steps():
                 return fn(state, batch)
 
         return run
@@ -350,6 +373,7 @@ def spmd(
     skip_nonfinite: bool = True,
     static_argnums: int | Sequence[int] = (),
     static_argnames: str | Sequence[str] = (),
+    compiler_settings: bool = True,
     **plan_kw: Any,
 ) -> SpmdStep | Callable[[Callable[..., Any]], SpmdStep]:
     """Decorate a train step to run sharded over ``mesh`` by ``plan``: ``train_step(state, batch) -> (state,
@@ -371,6 +395,9 @@ def spmd(
     re-runs the same batch. Load balancing takes a loss rather than a step: `openhosti_jax.balanced_step`.
     ``skip_nonfinite`` (default on) leaves the state unchanged after a step whose loss, ``grad_norm`` or new
     parameters are not finite and reports ``skipped_nonfinite`` in the metrics (`openhosti_jax.state.guard`).
+    On a GPU the step compiles with the settings MaxText's and JAX-Toolbox's recipes ship, sized from the model
+    (`openhosti_jax.policies.compiler`; ``step.report`` lists them); options the user set in ``XLA_FLAGS`` win, and
+    ``compiler_settings=False`` (or ``OPENHOSTI_GPU_SETTINGS=0``) sets none.
     """
 
     def build(f: StepFn) -> SpmdStep:
@@ -387,6 +414,7 @@ def spmd(
             skip_nonfinite,
             static_argnums=static_argnums,
             static_argnames=static_argnames,
+            compiler_settings=compiler_settings,
         )
 
     return build if fn is None else build(fn)
