@@ -32,7 +32,7 @@ from flax.nnx import graph
 
 from openhosti_jax.policies.remat import check_remat, checkpoint, jax_policy
 from openhosti_jax.sharding.rules import LAYER_AXIS, logical_names
-from openhosti_jax.state.context import constrain_activation
+from openhosti_jax.state.context import activation_key, constrain_activation
 
 
 def _children(module: nnx.Module) -> Iterator[tuple[Any, Any]]:
@@ -119,7 +119,12 @@ def remat_nnx(module: nnx.Module, name: str) -> int:
 
 
 @functools.cache
-def _sequence_class(cls: type) -> type:
+def _sequence_class(cls: type, placement: Any) -> type:
+    """``cls`` whose call places its input and output; one class per ``placement`` (`activation_key`): jax reuses
+    a traced loop body for the same function and input types, so a class shared between placements would carry
+    the first one's constraints into a step traced under another (a sequence-parallel step compiled after a plain
+    one kept the plain one's activations whole)."""
+    del placement  # the class's identity, read back at trace time from the active context
     base_call = cls.__call__
 
     def __call__(self: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
@@ -138,7 +143,7 @@ def sequence_nnx(module: nnx.Module) -> int:
     along the sequence where a plan asks (`openhosti_jax.state.context.constrain_activation`); return the count."""
     blocks = nnx_blocks(module)
     for _, block in blocks:
-        block.__class__ = _sequence_class(type(block))
+        block.__class__ = _sequence_class(type(block), activation_key())
     return len(blocks)
 
 

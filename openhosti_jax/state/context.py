@@ -71,6 +71,12 @@ def collective_matmul_mesh() -> tuple[Any, Any, str | None] | None:
     return active[0], active[1], axis[0] if isinstance(axis, tuple) and len(axis) > 1 else None
 
 
+def activation_key() -> Any:
+    """A hashable key of the enclosing `active_activation_sharding` (None outside one): what a block traced under
+    it places its activations by."""
+    return getattr(_local, "activation_sharding", None)
+
+
 def activations_sharded() -> bool:
     """Whether the enclosing step places the activations between blocks (`active_activation_sharding`)."""
     return getattr(_local, "activation_sharding", None) is not None
