@@ -40,7 +40,7 @@ from openhosti_jax.state import memory_bytes  # noqa: E402
 from openhosti_jax.state.jit import jit_step  # noqa: E402
 
 NAME = next((a for a in sys.argv[1:] if not a.startswith("-")), "gpt-tiny")
-ROUNDS, STEPS = (8, 2) if goals.QUICK else (24, 4)
+ROUNDS, STEPS = (3, 1) if goals.QUICK else (24, 4)  # quick (CI): its timings are printed, not asserted
 REFINE = 3  # candidates the refined plan compiles and times
 CONFIRM = 3  # fastest candidates of the screening pass timed again in the confirmation pass
 DP = "data=8 zero0"  # plain replicated data parallel

@@ -66,13 +66,18 @@ def test_tensor_axis_that_does_not_divide_the_heads_is_not_a_candidate():
 def test_the_cpu_profile_choice_and_every_prediction_are_pinned(name):
     """On the CPU profile (no native reduce-scatter, so no sequence-parallel candidate: the split would be an
     all-reduce and a slice) every enumerated candidate's predicted bytes are within 10% of its compiled step, and
-    the choice stays plain data parallel (the pin that catches pricing meant for another backend leaking here)."""
+    the choice stays plain data parallel (the pin that catches pricing meant for another backend leaking here).
+    gpt-tiny's candidates are compiled by benchmarks/planner.py's quick mode (its asserted
+    ``predicted_over_compiled_memory``, the same memory model: XLA:CPU's, no native reduce-scatter), so only its
+    choice is pinned here."""
     init_fn, tx, batch = example_inputs(name)
     work = workload(init_fn, batch)
     _, report = choose_plan(init_fn, tx, batch, verify=False, device_profile=CPU)
     assert report.candidates[0].label == "data=8 zero0"
     cands = enumerate_candidates(8, sequence_parallel=CPU.native_reduce_scatter)
     assert not any(c.sequence_parallel for c in cands)
+    if name == "gpt-tiny":  # its every candidate is compiled against its prediction by benchmarks/planner.py
+        return
     ratios = {}
     for s in search(work, tx, cands, CPU):
         mesh = build_mesh(MeshConfig.from_sizes(dict(s.plan.mesh_shape)))
