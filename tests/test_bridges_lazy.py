@@ -1,5 +1,5 @@
-"""Neither torch, tensorflow nor keras is imported by ``import openhosti_jax``, ``openhosti_jax.bridges`` or the
-front doors' packages (``openhosti_jax.frontends``, ``openhosti_jax.frontends.keras``)."""
+"""Neither torch, tensorflow, keras nor equinox is imported by ``import openhosti_jax``, ``openhosti_jax.bridges``
+or the front doors' packages (``openhosti_jax.frontends``, ``openhosti_jax.frontends.keras``)."""
 
 import subprocess
 import sys
@@ -13,7 +13,7 @@ def test_frameworks_are_imported_lazily():
     code = (
         "import sys, openhosti_jax, openhosti_jax.bridges as b, openhosti_jax.frontends.keras as k; "
         "assert callable(b.to_torch) and callable(b.wrap_for_tf) and k.Strategy; "
-        "print(sorted(m for m in ('torch', 'tensorflow', 'keras') if m in sys.modules))"
+        "print(sorted(m for m in ('torch', 'tensorflow', 'keras', 'equinox') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100, check=True)
     assert out.stdout.strip() == "[]"

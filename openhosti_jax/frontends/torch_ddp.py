@@ -12,7 +12,9 @@ DDP's all-reduce leaves it; the torch optimizer and its schedulers then step as 
 torchrun each process passes its own batch and gets its own rows of the output back; the runtime starts from
 torchrun's variables, process 0's parameters and buffers are broadcast as DDP broadcasts them, and gradients are
 averaged over the processes. Batch norm normalises over the global batch (as ``SyncBatchNorm``), where DDP's
-normalises over each process's.
+normalises over each process's. DDP's accumulation idioms work as DDP's: ``with model.no_sync(): loss.backward()``
+for the micro steps, or ``model.require_backward_grad_sync = False``, reduce once per window
+(`openhosti_jax.frontends.torch_sync`).
 
 The full mode, ``OptimizedDDP(module, optimizer=opt, criterion=loss, plan="fsdp")`` then ``model.train_step(x, y)``
 (``criterion(outputs, targets) -> loss``, a torch loss such as ``torch.nn.functional.cross_entropy``),
@@ -66,6 +68,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 from typing import Any
@@ -85,6 +88,7 @@ from openhosti_jax.bridges.torch_optim import TorchOptimizer, set_hyperparams
 from openhosti_jax.checkpoint import CheckpointManager
 from openhosti_jax.errors import BatchError, BridgeError
 from openhosti_jax.frontends.torch_dropin import DropIn, device_tensor, host_value, put_value, uneven_train_step
+from openhosti_jax.frontends.torch_sync import GradSync
 from openhosti_jax.mesh import MeshConfig, build_mesh
 from openhosti_jax.mesh.distributed import initialize_distributed
 from openhosti_jax.microbatch import split_microbatches
@@ -169,6 +173,10 @@ class OptimizedDDP(torch.nn.Module):
         self._rows = P(data_axis)
         self._low: Lowered = lower(module)
         self._dropin = DropIn(self._low, self.mesh, data_axis)
+        self._grad_sync = GradSync(self._low, self.mesh, data_axis)
+        self.require_backward_grad_sync = True
+        """DDP's flag, read at each forward: whether its backward reduces gradients across processes (`no_sync`
+        turns it off for the forwards inside it; nanoGPT sets it directly)."""
         if balance:
             plan = "dp" if plan is None else plan
             self._check_balance(plan, microbatch, memory_budget, balance_microbatches, balancer_kw)
@@ -210,16 +218,32 @@ class OptimizedDDP(torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """``module(*args, **kwargs)`` as one JAX program over the data axis (`openhosti_jax.frontends.torch_dropin`):
-        any batch size, keyword and non-tensor arguments, any output structure; ``backward()`` fills ``param.grad``."""
+        any batch size, keyword and non-tensor arguments, any output structure; ``backward()`` fills ``param.grad``
+        (reducing across processes unless ``require_backward_grad_sync`` is off: `no_sync`)."""
         self.sync_module()  # the full mode's trained weights, when it has trained
         named = dict(self.module.named_parameters())
         training = self.module.training
-        out, new_buffers = self._dropin(training, args, kwargs, named, self._buffers_now(), self._next_key())
+        engine, finish = self._grad_sync.engine(self._dropin, bool(self.require_backward_grad_sync))
+        if engine is not self._dropin or self._grad_sync.window_open:
+            self._grad_sync.broadcast_buffers(self.module)  # as DDP's broadcast_buffers, where they may differ
+        out, new_buffers = engine(training, args, kwargs, named, self._buffers_now(), self._next_key(), finish)
         if training:
             self._write_buffers(new_buffers)
         if self.full_state is not None and training and self._low.buffer_names:
             self._take_module(params=False)  # the statistics this call updated carry into the next train_step
         return out
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """DDP's context manager for gradient accumulation: the backward passes of forwards run inside it leave this
+        process's gradients summed in ``param.grad`` without reducing across processes; the first backward after it
+        reduces the window's sum once (`openhosti_jax.frontends.torch_sync`). Entered twice (inside itself) is a
+        `BridgeError`. The full mode accumulates with ``microbatch=`` instead."""
+        return self._grad_sync.no_sync(self)
+
+    @property
+    def gradient_syncs(self) -> int:
+        """Backward passes that reduced gradients across processes (one per accumulation window)."""
+        return self._grad_sync.syncs
 
     def train_step(self, inputs: torch.Tensor | tuple[torch.Tensor, ...], targets: torch.Tensor) -> torch.Tensor:
         """The full mode's step: forward, ``criterion``, gradient and the optimizer's optax update, one jitted program
@@ -234,6 +258,12 @@ class OptimizedDDP(torch.nn.Module):
             raise BridgeError(
                 "train_step is the full mode: OptimizedDDP(module, optimizer=torch_optimizer, criterion=loss); in the "
                 "drop-in mode call model(x), loss.backward() and optimizer.step() as with DDP"
+            )
+        if not self.require_backward_grad_sync:
+            raise BridgeError(
+                "train_step steps the optimizer every call, so it has no window to accumulate over: expected it "
+                "outside no_sync() (require_backward_grad_sync=True), found it inside; accumulate in the full mode "
+                "with OptimizedDDP(..., microbatch=k), or use the drop-in loop (model(x), loss.backward())"
             )
         xs = inputs if isinstance(inputs, tuple) else (inputs,)
         if full["state"] is None:

@@ -107,7 +107,7 @@ class _Call:
     differentiated."""
 
     def __init__(self, engine: DropIn, leaves: list[torch.Tensor], params: list[torch.Tensor]) -> None:
-        self.nproc, self.pid = jax.process_count(), jax.process_index()
+        self.nproc, self.pid = engine.nproc, (jax.process_index() if engine.nproc > 1 else 0)
         self.local = next((t.shape[0] for t in leaves if t.ndim), None)  # this process's batch size
         self.rows = tuple(bool(t.ndim) and t.shape[0] == self.local for t in leaves)
         self.batch = None if self.local is None else self.local * self.nproc
@@ -130,6 +130,8 @@ class DropIn:
     def __init__(self, low: Lowered, mesh: Mesh, axis: str) -> None:
         self.low, self.mesh, self.axis = low, mesh, axis
         self.devices = mesh.shape[axis]
+        self.nproc = len({d.process_index for d in mesh.devices.flat})
+        """Processes the mesh spans (1 for a process's own devices, whatever the runtime's count)."""
         self._programs: dict[Any, Any] = {}
         self.forward_runs = 0
         """Forward programs executed (one per call; ``backward()`` runs only the VJP's residuals)."""
@@ -153,9 +155,12 @@ class DropIn:
         params: dict[str, torch.Tensor],
         buffers: dict[str, torch.Tensor],
         key: jax.Array,
+        finish: Any = None,
     ) -> tuple[Any, dict[str, jax.Array]]:
         """``module(*args, **kwargs)``'s output (torch tensors in its structure, differentiable when gradients are
-        on) and the buffers after the call (as JAX arrays)."""
+        on) and the buffers after the call (as JAX arrays). ``finish(params, grads)`` (default: the gradients as
+        they are) gives what the backward returns for the parameters, None where it wrote ``param.grad`` itself
+        (`openhosti_jax.frontends.torch_sync`)."""
         leaves, spec = flatten((args, kwargs))
         names = self.low.param_names
         call = _Call(self, leaves, [params[n] for n in names])
@@ -169,7 +174,7 @@ class DropIn:
             return unflatten(out_spec.value, [self._out_tensor(o, call) for o in outs]), new_buffers
         diff = [params[n] for n, d in zip(names, call.diff_params, strict=True) if d]
         diff += [t for t, d in zip(leaves, call.diff_inputs, strict=True) if d]
-        box: dict[str, Any] = {}
+        box: dict[str, Any] = {"finish": finish}
         tensors = _Run.apply(self, program, call, (p, b, key, xs), box, *diff)
         return unflatten(box["spec"], tensors), box["buffers"]
 
@@ -214,7 +219,7 @@ class DropIn:
         return program
 
     def _replicated(self, t: torch.Tensor) -> jax.Array:
-        if jax.process_count() == 1:
+        if self.nproc == 1:
             return device_value(t, self.sharding(P()))
         return put_value(t.detach().cpu().numpy(), self.sharding(P()))
 
@@ -302,6 +307,7 @@ class _Run(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         ctx.saved = (engine, call, vjp, outs)
         ctx.devices = [t.device for t in diff]  # the parameters', then the differentiated inputs' devices
+        ctx.params, ctx.finish = diff[: sum(call.diff_params)], box["finish"]
         return tuple(tensors)
 
     @staticmethod
@@ -322,4 +328,6 @@ class _Run(torch.autograd.Function):
         else:  # each process's loss is its own batch's: DDP averages over processes
             param_grads = [_to_torch(host_value(dp[n]) / call.nproc).to(next(devices)) for n in names]
         input_grads = [engine._out_tensor(g, call).to(next(devices)) for g in dx]
+        if ctx.finish is not None:
+            param_grads = ctx.finish(list(ctx.params), param_grads)
         return (None, None, None, None, None, *param_grads, *input_grads)

@@ -32,23 +32,36 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
 from openhosti_jax.errors import BatchError, ShardingError
+from openhosti_jax.sharding.batch import is_key, per_row_keys
 from openhosti_jax.state.contracts import SummedLossFn
 
 
 def batch_size_of(batch: Any) -> int:
-    """The shared leading dimension of every leaf of ``batch``; `BatchError` naming the leaves that differ."""
-    leaves = jax.tree_util.tree_leaves_with_path(batch)
+    """The shared leading dimension of every leaf of ``batch`` but its PRNG keys (`openhosti_jax.sharding.batch.
+    is_key`: every microbatch gets them whole); `BatchError` naming the leaves that differ."""
+    leaves = [(p, x) for p, x in jax.tree_util.tree_leaves_with_path(batch) if not is_key(x)]
     if not leaves:
-        raise BatchError("expected a batch with at least one array leaf, found an empty pytree")
+        raise BatchError("expected a batch with at least one array leaf that is not a PRNG key, found none")
     sizes = {jax.tree_util.keystr(p): (jnp.shape(x)[0] if jnp.ndim(x) else None) for p, x in leaves}
     distinct = set(sizes.values())
     if None in distinct or len(distinct) != 1:
         raise BatchError(
-            "expected every batch leaf to share one leading (batch) dimension, found "
+            "expected every batch leaf (PRNG keys aside) to share one leading (batch) dimension, found "
             + ", ".join(f"{k or '<root>'}: {v if v is not None else 'scalar'}" for k, v in sizes.items())
             + "; give every leaf shape [batch, ...]"
         )
     return distinct.pop()
+
+
+def key_leaves(batch: Any) -> Any:
+    """A tree like ``batch`` of bools: which leaves are PRNG keys (`openhosti_jax.sharding.batch.is_key`)."""
+    return jax.tree.map(is_key, batch)
+
+
+def _constrain(tree: Any, keys: Any, sharding: NamedSharding) -> Any:
+    """``tree``'s leaves constrained to ``sharding``, its keys replicated on the same mesh."""
+    whole = NamedSharding(sharding.mesh, PartitionSpec())
+    return jax.tree.map(lambda x, k: jax.lax.with_sharding_constraint(x, whole if k else sharding), tree, keys)
 
 
 def _shard_count(sharding: NamedSharding | None) -> int:
@@ -87,9 +100,38 @@ def _pad_with_mask(batch: Any, padded: int, mask_key: str) -> Any:
         out[mask_key] = jnp.ones((n,), bool)
 
     def pad(x: jax.Array) -> jax.Array:
-        return jnp.pad(x, [(0, padded - n)] + [(0, 0)] * (jnp.ndim(x) - 1))
+        if per_row_keys(x, n):  # padding rows are masked out: any key serves them
+            return jnp.concatenate([x, jnp.broadcast_to(x[:1], (padded - n, *x.shape[1:]))])
+        return x if is_key(x) else jnp.pad(x, [(0, padded - n)] + [(0, 0)] * (jnp.ndim(x) - 1))
 
     return jax.tree.map(pad, out)
+
+
+def _split(
+    batch: Any,
+    num_microbatches: int,
+    *,
+    microbatch_sharding: NamedSharding | None = None,
+    mask_key: str = "mask",
+) -> tuple[Any, Any]:
+    """(``batch`` stacked as `split_microbatches` says, a tree of bools: which of its leaves are keys)."""
+    n = batch_size_of(batch)
+    size, padded = microbatch_layout(n, num_microbatches, _shard_count(microbatch_sharding))
+    if padded != n:
+        batch = _pad_with_mask(batch, padded, mask_key)
+
+    def stack(x: jax.Array, key: bool) -> jax.Array:
+        if key and not per_row_keys(x, padded):  # every microbatch gets the same keys, whole
+            return jnp.broadcast_to(x[None], (num_microbatches, *x.shape))
+        x = x.reshape((size, num_microbatches) + x.shape[1:])
+        return jnp.swapaxes(x, 0, 1)
+
+    keys = key_leaves(batch)
+    stacked = jax.tree.map(stack, batch, keys)
+    if microbatch_sharding is not None:
+        spec = PartitionSpec(None, *microbatch_sharding.spec)
+        stacked = _constrain(stacked, keys, NamedSharding(microbatch_sharding.mesh, spec))
+    return stacked, keys
 
 
 def split_microbatches(
@@ -103,22 +145,10 @@ def split_microbatches(
 
     Microbatch ``i`` holds rows ``i, i + k, i + 2k, ...``: with the batch sharded on axis 0, every device
     keeps its own rows and each microbatch is spread over all batch shards
-    (no data moves unless padding is needed).
+    (no data moves unless padding is needed). PRNG keys in the batch stay replicated: a key (or a batch of keys
+    of another size) is given whole to every microbatch, a batch of one key per row is cut with the rows.
     """
-    n = batch_size_of(batch)
-    size, padded = microbatch_layout(n, num_microbatches, _shard_count(microbatch_sharding))
-    if padded != n:
-        batch = _pad_with_mask(batch, padded, mask_key)
-
-    def stack(x: jax.Array) -> jax.Array:
-        x = x.reshape((size, num_microbatches) + x.shape[1:])
-        return jnp.swapaxes(x, 0, 1)
-
-    stacked = jax.tree.map(stack, batch)
-    if microbatch_sharding is not None:
-        spec = PartitionSpec(None, *microbatch_sharding.spec)
-        stacked = jax.lax.with_sharding_constraint(stacked, NamedSharding(microbatch_sharding.mesh, spec))
-    return stacked
+    return _split(batch, num_microbatches, microbatch_sharding=microbatch_sharding, mask_key=mask_key)[0]
 
 
 def _check_sharding(name: str, value: Any) -> None:
@@ -166,7 +196,7 @@ def accumulate_gradients(
             f"expected microbatch_sharding to be a NamedSharding, found "
             f"{type(microbatch_sharding).__name__}; build one with NamedSharding(mesh, PartitionSpec('data'))"
         )
-    stacked = split_microbatches(batch, num_microbatches, microbatch_sharding=microbatch_sharding, mask_key=mask_key)
+    stacked, keys = _split(batch, num_microbatches, microbatch_sharding=microbatch_sharding, mask_key=mask_key)
 
     def summed(p: Any, mb: Any, key: jax.Array | None) -> tuple[jax.Array, tuple[jax.Array, Any]]:
         out = loss_sum_fn(p, mb, key)
@@ -183,7 +213,7 @@ def accumulate_gradients(
         g_acc, loss_acc, n_acc, aux_acc = carry
         i, mb = xs
         if microbatch_sharding is not None:
-            mb = jax.lax.with_sharding_constraint(mb, microbatch_sharding)
+            mb = _constrain(mb, keys, microbatch_sharding)
         key = None if rng is None else jax.random.fold_in(rng, i)
         (loss_sum, (num_real, aux)), g = grad_fn(params, mb, key)
         g_acc = constrain(jax.tree.map(lambda a, b: a + b.astype(accum_dtype), g_acc, g))

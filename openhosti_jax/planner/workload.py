@@ -32,6 +32,7 @@ from openhosti_jax.flops import count_flops, dot_flops, matmul_flops, ragged_dot
 from openhosti_jax.jaxpr_walk import calls, is_remat, nested_jaxprs
 from openhosti_jax.planner.propagate import propagate
 from openhosti_jax.policies.remat import KEEP_NAME, RECOMPUTE_FRACTION
+from openhosti_jax.sharding.batch import batch_leaves, batch_size, per_row_keys
 from openhosti_jax.sharding.rules import EXPERTS, LAYER_AXIS, logical_names, unbox
 from openhosti_jax.sizes import leaf_bytes
 from openhosti_jax.state.context import active_policies
@@ -533,14 +534,31 @@ class TensorSplit(NamedTuple):
 
 
 def _batch_size(batch: Any) -> int:
-    sizes = {np.shape(x)[0] for x in jax.tree.leaves(batch) if np.ndim(x)}
-    if len(sizes) != 1:
-        raise BatchError(f"expected every batch leaf to share one leading (batch) dim, found sizes {sorted(sizes)}")
-    return sizes.pop()
+    """The batch size by the library's one rule (`openhosti_jax.sharding.batch.batch_size`: PRNG keys and leaves
+    without the batch's leading dimension are not batch data)."""
+    n = batch_size(batch)
+    if n is None:
+        found = sorted({f"{x.dtype}{list(x.shape)}" for x in jax.tree.leaves(batch)}) or ["no leaves"]
+        raise BatchError(
+            f"expected a batch with at least one array leaf of shape [batch, ...] that is not a PRNG key, found "
+            f"{', '.join(found)}; pass the step's data as arrays whose leading dimension is the batch"
+        )
+    return n
 
 
 def _resize(batch: Any, n: int) -> Any:
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((n, *x.shape[1:]), x.dtype) if x.ndim else x, batch)
+    """``batch`` at batch size ``n``: its batch leaves resized, and a batch of keys with one key per row
+    (`openhosti_jax.sharding.batch.per_row_keys`); every other leaf (a key, tables, scalars) kept."""
+    leaves, treedef = jax.tree.flatten(batch)
+    rows = batch_size(batch)
+    flags = [f or per_row_keys(x, rows) for x, f in zip(leaves, batch_leaves(batch), strict=True)]
+    return treedef.unflatten(
+        [jax.ShapeDtypeStruct((n, *x.shape[1:]), x.dtype) if f else x for x, f in zip(leaves, flags, strict=True)]
+    )
+
+
+def _first_batch_leaf(batch: Any) -> Any:
+    return next(x for x, f in zip(jax.tree.leaves(batch), batch_leaves(batch), strict=True) if f)
 
 
 def _per_example_residuals(jaxpr: Any, n_params: int, n_outputs: int) -> tuple[Any, ...]:
@@ -587,7 +605,8 @@ def _positions(output: Any, batch: Any) -> int:
     ``(batch, *positions)``) holds, since its layers ran on every one of them; else 1."""
     if output.ndim >= 3:
         return math.prod(output.shape[1:-1])
-    ids = [math.prod(x.shape[1:]) for x in jax.tree.leaves(batch) if x.ndim >= 2 and np.issubdtype(x.dtype, np.integer)]
+    leaves = [x for x, f in zip(jax.tree.leaves(batch), batch_leaves(batch), strict=True) if f]
+    ids = [math.prod(x.shape[1:]) for x in leaves if x.ndim >= 2 and np.issubdtype(x.dtype, np.integer)]
     return max(ids, default=1)
 
 
@@ -679,7 +698,7 @@ def measure_step(step_fn: Any, state: Any, batch: Any, params: Any, layout: Any 
     n = _batch_size(batch)
     one, two = (jax.make_jaxpr(step_fn)(state, _resize(batch, k)).jaxpr for k in (1, 2))
     flops = count_flops(one, matmul_only=True)
-    first = jax.tree.leaves(batch)[0]
+    first = _first_batch_leaf(batch)
     tokens = math.prod(first.shape[1:-1]) if first.ndim >= 3 else 1
     return Workload(
         params, None, None, batch, n, flops, _growth(one, two), tokens, state=state, layout=layout, step_fn=step_fn

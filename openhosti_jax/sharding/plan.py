@@ -30,7 +30,7 @@ from openhosti_jax.mesh.build import mesh_sizes
 from openhosti_jax.mesh.config import AXES, BATCH_AXES, EXPERT_AXIS, SEQUENCE_AXIS, TOKEN_AXES
 from openhosti_jax.policies.precision import precision as resolve_precision
 from openhosti_jax.policies.remat import check_remat
-from openhosti_jax.sharding.batch import leaf_spec
+from openhosti_jax.sharding.batch import batch_leaves, leaf_spec
 from openhosti_jax.sharding.specs import DEFAULT_MIN_ELEMENTS, is_spec, spec_axes, validate_specs
 from openhosti_jax.sharding.table import format_bytes, leaf_rows, spec_str, unsharded_leaves
 from openhosti_jax.sharding.zero import ZERO_AXES, Optimizer, zero_specs
@@ -158,9 +158,17 @@ class ShardingPlan:
         return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=is_spec)
 
     def batch_shardings(self, mesh: Mesh, batch: Any) -> Any:
-        """Shardings for every leaf of a batch (leading dims split by ``batch_spec``, as many of its entries as the
-        leaf has dims; rank-0 leaves replicated)."""
-        return jax.tree.map(lambda x: NamedSharding(mesh, leaf_spec(self.batch_spec, x.ndim)), batch)
+        """Shardings for every leaf of a batch: its batch leaves (`openhosti_jax.sharding.batch.batch_leaves`)
+        split by ``batch_spec`` (as many of its entries as the leaf has dims), every other leaf (rank 0, PRNG keys,
+        leaves without the batch's leading dim) replicated."""
+        leaves, treedef = jax.tree.flatten(batch)
+        flags = batch_leaves(batch)
+        return treedef.unflatten(
+            [
+                NamedSharding(mesh, leaf_spec(self.batch_spec, x.ndim) if f else P())
+                for x, f in zip(leaves, flags, strict=True)
+            ]
+        )
 
     def digest(self) -> str:
         """A short digest of the placement decisions; processes compare it before the first step."""

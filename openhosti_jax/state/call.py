@@ -9,12 +9,16 @@ extra PRNG keys, step counters and static flags. `bind` splits one call:
 - nnx graph objects, wherever they sit in the arguments, are split together (`nnx.split`: a variable two of them
   share is one leaf), and their state takes their place; the result is the call's *view*: a dict of pytrees of
   arrays keyed by each argument's position (``"0"``, ``"1"``, ...) or keyword;
-- every other leaf must be an array or a Python number (`StepArgumentError` otherwise).
+- objects of a registered kind (`openhosti_jax.state.kinds`: equinox modules) are split into their arrays, in the
+  view, and a static rest, which keys the compiled step (``eqx.filter_jit``'s treatment);
+- every other leaf must be an array or a Python number (`StepArgumentError` naming every other one, and the kinds
+  a step argument may be).
 
 `call_layout` finds the parameters (the nnx ``Param`` variables, else `find_layout` over the whole view) and the
 optimizer state; the arguments that hold them or a graph object are the *state* (sharded by the plan, updated,
-donated), the others the *data*. `batch_leaves` says which data leaves are split over the data axes: those whose
-leading dimension is the batch size; every other data leaf (scalars, PRNG keys, tables) is replicated.
+donated), the others the *data*. `openhosti_jax.sharding.batch.batch_leaves` says which data leaves are split
+over the data axes: those whose leading dimension is the batch size; every other data leaf (scalars, PRNG keys of
+any form, tables) is replicated.
 
 Example:
     >>> import jax.numpy as jnp, optax
@@ -30,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections import Counter
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -40,6 +43,8 @@ from flax import nnx
 from flax.nnx.graph import is_graph_node
 
 from openhosti_jax.errors import StateError, StepArgumentError
+from openhosti_jax.sharding.batch import is_key
+from openhosti_jax.state.kinds import known_kinds, merge_kinds, split_kinds, statics
 from openhosti_jax.state.layout import Path, StateLayout, find_layout, layout_of_params
 
 LEAF_TYPES = (jax.Array, np.ndarray, np.generic, bool, int, float, complex, jax.ShapeDtypeStruct)
@@ -79,15 +84,29 @@ def static_arguments(fn: Callable, argnums: tuple[int, ...], argnames: tuple[str
     return nums, names
 
 
-def _check_leaf(x: Any, where: str) -> None:
+def _leaf_problem(x: Any, where: str) -> str | None:
+    """What is wrong with the step argument leaf ``x`` at ``where``, and its fix; None for an array, a number or
+    None."""
     if x is None or isinstance(x, LEAF_TYPES):
-        return
-    raise StepArgumentError(
-        f"step argument {where}: expected a pytree of arrays (or Python numbers) or an nnx graph object (nnx.Module, "
-        f"nnx.Optimizer, nnx.Metric), found {type(x).__module__}.{type(x).__qualname__}; pass it as a static "
-        "argument (spmd(..., static_argnums=...) or static_argnames=..., as jax.jit takes them), or make its type "
-        "a pytree (flax.struct.dataclass, jax.tree_util.register_dataclass)"
+        return None
+    fix = (
+        "close over it in the step, or keep it in an equinox Module (whose non-array leaves are static, as "
+        "eqx.filter_jit treats them)"
+        if callable(x) and not isinstance(x, type)
+        else "or, if it holds arrays to train, make its type a pytree (jax.tree_util.register_dataclass, "
+        "flax.struct.dataclass) or register its kind (openhosti_jax.state.kinds.register_kind)"
     )
+    return (
+        f"step argument {where}: expected a pytree of arrays (or Python numbers), an nnx graph object or an object "
+        f"of a kind the library knows, found {type(x).__module__}.{type(x).__qualname__}; pass it as a static "
+        f"argument (spmd(..., static_argnums=...) or static_argnames=..., as jax.jit takes them), {fix}"
+    )
+
+
+def _check_leaves(problems: list[str]) -> None:
+    """`StepArgumentError` naming every bad leaf at once, and the kinds a step argument may be."""
+    if problems:
+        raise StepArgumentError("\n".join(problems) + f"\nThe kinds a step argument may be:\n{known_kinds()}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,10 +125,15 @@ class StepCall:
     """(position or keyword, value) of every static argument."""
     positions: int
     """How many positional arguments the call has."""
+    objects: dict[str, tuple[Any, tuple]] = dataclasses.field(default_factory=dict)
+    """Per view key holding objects of a registered kind (`openhosti_jax.state.kinds`): the argument's structure
+    with them as leaves, and per leaf its (kind, static part) or None; the view holds their arrays."""
 
     def key(self) -> Hashable:
-        """What a compiled step is cached by: the graph, the static values and the view's structure."""
-        return (self.graphdef, self.static, self.positions, jax.tree.structure(self.view))
+        """What a compiled step is cached by: the graph, the static values (those of objects of a registered kind
+        too) and the view's structure."""
+        parts = tuple((k, tree, statics(p)) for k, (tree, p) in sorted(self.objects.items()))
+        return (self.graphdef, self.static, self.positions, jax.tree.structure(self.view), parts)
 
     def graph_keys(self) -> frozenset[str]:
         """The view keys whose argument holds a graph object."""
@@ -130,6 +154,8 @@ class StepCall:
             )
             for key, (treedef, kinds) in self.slots.items()
         }
+        for key, (tree, parts) in self.objects.items():
+            built[key] = merge_kinds(built[key], tree, parts)
         built.update({str(k) if isinstance(k, int) else k: v for k, v in self.static})
         args = tuple(built[str(i)] for i in range(self.positions))
         kwargs = {k: v for k, v in built.items() if not k.isdigit()}
@@ -181,11 +207,15 @@ def bind(args: tuple[Any, ...], kwargs: dict[str, Any], static: tuple[set, set] 
                 f"arguments), found an unhashable {type(value).__name__}; pass a tuple or a frozen dataclass, or "
                 "make the argument dynamic (drop it from static_argnums / static_argnames)"
             ) from None
-    dynamic = {str(i): a for i, a in enumerate(args) if i not in nums}
-    dynamic.update({k: v for k, v in kwargs.items() if k not in static[1]})
+    given = {str(i): a for i, a in enumerate(args) if i not in nums}
+    given.update({k: v for k, v in kwargs.items() if k not in static[1]})
+    dynamic, objects = {}, {}
+    for key, value in given.items():  # objects of a registered kind (equinox modules) as their arrays
+        dynamic[key], *objects[key] = split_kinds(value, keep=is_graph_object)
     nodes: list[Any] = []
     index: dict[int, int] = {}
     slots = {}
+    problems = []
     for key, value in dynamic.items():
         flat, treedef = jax.tree_util.tree_flatten_with_path(value, is_leaf=is_graph_object)
         kinds = []
@@ -196,9 +226,10 @@ def bind(args: tuple[Any, ...], kwargs: dict[str, Any], static: tuple[set, set] 
                     nodes.append(x)
                 kinds.append(index[id(x)])
             else:
-                _check_leaf(x, arg_name(key) + jax.tree_util.keystr(path))
+                problems.append(_leaf_problem(x, arg_name(key) + jax.tree_util.keystr(path)))
                 kinds.append(None)
         slots[key] = (treedef, tuple(kinds))
+    _check_leaves([p for p in problems if p is not None])
     graphdef, state = nnx.split(tuple(nodes)) if nodes else (None, None)
     view = {}
     for key, (treedef, kinds) in slots.items():
@@ -206,7 +237,8 @@ def bind(args: tuple[Any, ...], kwargs: dict[str, Any], static: tuple[set, set] 
         view[key] = treedef.unflatten(
             [x if i is None else state[i] if i in state else nnx.State({}) for i, x in zip(kinds, flat, strict=True)]
         )
-    return StepCall(view, graphdef, tuple(nodes), slots, tuple(chosen), len(args))
+    kinds = {k: (tree, parts) for k, (tree, parts) in objects.items() if any(parts)}
+    return StepCall(view, graphdef, tuple(nodes), slots, tuple(chosen), len(args), kinds)
 
 
 def _param_leaves(view: dict[str, Any]) -> list[Path]:
@@ -254,25 +286,4 @@ def call_layout(
 
 def _floating(x: Any) -> bool:
     dtype = getattr(x, "dtype", None)
-    return dtype is not None and not _is_key(x) and jax.numpy.issubdtype(dtype, jax.numpy.floating)
-
-
-def _is_key(x: Any) -> bool:
-    dtype = getattr(x, "dtype", None)
-    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-
-
-def _batchable(x: Any) -> bool:
-    if not np.ndim(x) or _is_key(x):
-        return False
-    return not (jax.numpy.result_type(x) == np.uint32 and np.shape(x) in ((2,), (4,)))  # a raw PRNG key
-
-
-def batch_leaves(data: Any) -> list[bool]:
-    """Per leaf of ``data``: whether it is split over the data axes. The batch size is the most common leading
-    dimension among the leaves of rank >= 1 that are not PRNG keys (the larger on a tie); leaves with that leading
-    dimension are split, every other one is replicated."""
-    leaves = jax.tree.leaves(data)
-    dims = Counter(np.shape(x)[0] for x in leaves if _batchable(x))
-    size = max(dims.items(), key=lambda kv: (kv[1], kv[0]))[0] if dims else None
-    return [_batchable(x) and np.shape(x)[0] == size for x in leaves]
+    return dtype is not None and not is_key(x) and jax.numpy.issubdtype(dtype, jax.numpy.floating)

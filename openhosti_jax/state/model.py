@@ -48,8 +48,26 @@ from openhosti_jax.state.contracts import ApplyFn
 
 
 def abstract(tree: Any) -> Any:
-    """Every leaf of ``tree`` as a `jax.ShapeDtypeStruct` (shape and dtype only)."""
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jax.numpy.result_type(a)), tree)
+    """Every array (and Python number) leaf of ``tree`` as a `jax.ShapeDtypeStruct` (shape and dtype only); any
+    other leaf (an equinox module's activation function, a string) is kept as it is.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> out = abstract({"w": jnp.ones((2, 3)), "act": jax.nn.relu})
+        >>> out["w"], out["act"] is jax.nn.relu
+        (ShapeDtypeStruct(shape=(2, 3), dtype=float32), True)
+    """
+
+    def leaf(a: Any) -> Any:
+        if not isinstance(a, ARRAY_LIKE) and not hasattr(a, "__jax_array__"):
+            return a
+        return jax.ShapeDtypeStruct(np.shape(a), jax.numpy.result_type(a))
+
+    return jax.tree.map(leaf, tree)
+
+
+ARRAY_LIKE = (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic, bool, int, float, complex)
+"""The leaves `abstract` describes by shape and dtype."""
 
 
 def nnx_apply_fn(graphdef: Any) -> ApplyFn:

@@ -6,7 +6,9 @@ graph objects, their state after the step (so mutations in place survive the jit
 parameters or optimizer state, the first subtree of the step's return value with that argument's structure, shapes
 and dtypes (optax's ``return params, opt_state, loss``; flax's ``return state``); an argument the step does not
 return is passed through unchanged. Everything else the step returns is its *outputs*, given back by `restore`
-with the updated state, and the caller's own graph objects, in their places.
+with the updated state, and the caller's own graph objects, in their places. An object of a registered kind in the
+return value (the new equinox module of ``return model, opt_state, loss``) is matched and given back as its arrays,
+merged again with its static part (`openhosti_jax.state.kinds`).
 
 Example:
     >>> import jax.numpy as jnp, optax
@@ -33,6 +35,7 @@ import numpy as np
 
 from openhosti_jax.errors import StepArgumentError
 from openhosti_jax.state.call import StepCall, arg_name, is_graph_object
+from openhosti_jax.state.kinds import merge_kinds, split_kinds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +59,9 @@ class Recipe:
     returned: frozenset[str] = frozenset()
     """The pytree state arguments the step returns."""
     traced: bool = False
+    objects: tuple[Any, tuple] | None = None
+    """The return value's objects of a registered kind (a new equinox module): the structure with them as leaves
+    and their (kind, static part)s (`openhosti_jax.state.kinds.split_kinds`), to merge them back."""
 
 
 def _same(node: Any, like: Any) -> bool:
@@ -103,7 +109,8 @@ def canonical_step(
     def step(state: dict, data: dict) -> tuple[dict, dict]:
         view = {**state, **data}
         args, kwargs, nodes = call.arguments(view)
-        out = fn(*args, **kwargs)
+        out, *objects = split_kinds(fn(*args, **kwargs), keep=is_graph_object)  # a returned module as its arrays
+        recipe.objects = tuple(objects)
         pure = {k: state[k] for k in state_keys if k not in graph}
         walked, matched = _split(out, nodes, pure)
         flat, treedef = jax.tree_util.tree_flatten(walked, is_leaf=lambda x: isinstance(x, Slot))
@@ -124,7 +131,7 @@ def restore(recipe: Recipe, new_state: dict, outputs: list[Any], call: StepCall)
         next(rest) if s is None else call.nodes[s.graph] if s.graph is not None else new_state[s.state]
         for s in recipe.slots
     ]
-    return recipe.treedef.unflatten(leaves)
+    return merge_kinds(recipe.treedef.unflatten(leaves), *recipe.objects)
 
 
 def unreturned(recipe: Recipe, call: StepCall, state_keys: tuple[str, ...]) -> list[str]:

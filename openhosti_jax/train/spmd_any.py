@@ -39,14 +39,13 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import jax
-import numpy as np
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from openhosti_jax.errors import StateError, StepOutputError
-from openhosti_jax.sharding.batch import leaf_spec, place_batch
-from openhosti_jax.state.call import StepCall, arg_path, batch_leaves, bind, call_layout, is_graph_object
+from openhosti_jax.sharding.batch import batch_leaves, place_batch
+from openhosti_jax.state.call import LEAF_TYPES, StepCall, arg_path, bind, call_layout, is_graph_object
 from openhosti_jax.state.jit import jit_step
+from openhosti_jax.state.kinds import is_kind_object
 from openhosti_jax.state.layout import StateLayout
 from openhosti_jax.state.outputs import Recipe, canonical_step, restore, unreturned
 from openhosti_jax.train.compile_cache import caching_steps
@@ -94,7 +93,9 @@ class AnyCalls:
         """Whether the call is ``step(state, batch)`` of two pytrees, nothing static: the library's own form."""
         if len(args) != 2 or kwargs or any(self.owner._static):
             return False
-        return not any(is_graph_object(x) for x in jax.tree.leaves(args, is_leaf=is_graph_object))
+        other = lambda x: is_graph_object(x) or is_kind_object(x)  # noqa: E731 - nnx objects, equinox modules
+        plain = lambda x: x is None or isinstance(x, LEAF_TYPES)  # noqa: E731 - else bind names what it is
+        return all(plain(x) and not other(x) for x in jax.tree.leaves(args, is_leaf=other))
 
     def fall_back(self, args: tuple[Any, ...], err: StepOutputError) -> Any:
         """Run a ``step(state, batch)`` that returned something else than ``(state, metrics)`` (flax's ``return
@@ -158,13 +159,7 @@ class AnyCalls:
                     "the state, or pass spmd(..., donate=False) to say so)"
                 )
         self._pending = None
-        treedef = jax.tree.structure(data)
-        data_sh = treedef.unflatten(
-            [
-                NamedSharding(step.mesh, leaf_spec(step.plan.batch_spec, np.ndim(x)) if f else P())
-                for x, f in zip(jax.tree.leaves(data), flags, strict=True)
-            ]
-        )
+        data_sh = step.plan.batch_shardings(step.mesh, data)
         jitted, state_sh = jit_step(
             fn,
             step.plan,

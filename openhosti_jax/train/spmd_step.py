@@ -44,7 +44,7 @@ from openhosti_jax.microbatch import OOMRetryStep, find_microbatch
 from openhosti_jax.planner.aot import CompiledCheck, compile_check, lower_for
 from openhosti_jax.planner.predict import parse_mesh
 from openhosti_jax.policies.compiler import AppliedSettings, step_settings
-from openhosti_jax.sharding.batch import place_batch
+from openhosti_jax.sharding.batch import batch_leaves, check_batch, place_batch
 from openhosti_jax.sharding.plan import ShardingPlan
 from openhosti_jax.sharding.report import PlanReport
 from openhosti_jax.sharding.zero import Optimizer
@@ -133,13 +133,14 @@ class SpmdStep:
         to `spmd` take precedence)."""
         rows = jax.process_count()
 
-        def global_leaf(x: Any) -> jax.ShapeDtypeStruct:
+        def global_leaf(x: Any, split: bool) -> jax.ShapeDtypeStruct:
             shape = tuple(np.shape(x))
-            if not isinstance(x, jax.Array) and shape:  # a process-local numpy batch
+            if split and not isinstance(x, jax.Array):  # a process-local numpy batch
                 shape = (shape[0] * rows, *shape[1:])
             return jax.ShapeDtypeStruct(shape, jax.numpy.result_type(x))
 
-        sample = jax.tree.map(global_leaf, batch)
+        leaves, treedef = jax.tree.flatten(batch)
+        sample = treedef.unflatten([global_leaf(x, f) for x, f in zip(leaves, batch_leaves(batch), strict=True)])
         step_fn = self._plan_fn or self.fn
         kw: dict[str, Any] = {"sample_batch": sample, "step_fn": step_fn, "state": shapes, "layout": self.layout}
         apply_fn = state.apply_fn if isinstance(state, TrainState) else None
@@ -233,7 +234,9 @@ class SpmdStep:
         return self.settings.options()
 
     def place(self, state: Any, batch: Any) -> tuple[Any, Any]:
-        """(state moved to the plan's shardings if it is not there yet, batch sharded over the data axes)."""
+        """(state moved to the plan's shardings if it is not there yet, batch sharded over the data axes; PRNG keys
+        in it replicated)."""
+        check_batch(batch)
         _, state_sh = self._compiled_fn(state, batch)
         state = jax.tree.map(
             lambda x, s: x if isinstance(x, jax.Array) and x.sharding == s else jax.device_put(x, s), state, state_sh
@@ -300,10 +303,13 @@ class SpmdStep:
         return run
 
     def _per_device_batch(self, batch: Any) -> int:
-        rows = [np.shape(x)[0] for x in jax.tree.leaves(batch) if np.ndim(x)]
-        if not rows:
-            raise BatchError("the batch has no leaf with a batch dimension; expected arrays of shape (batch, ...)")
-        global_rows = rows[0] * (jax.process_count() if not isinstance(jax.tree.leaves(batch)[0], jax.Array) else 1)
+        first = next((x for x, f in zip(jax.tree.leaves(batch), batch_leaves(batch), strict=True) if f), None)
+        if first is None:
+            raise BatchError(
+                "the batch has no leaf with a batch dimension (PRNG keys are not batch data); expected arrays of "
+                "shape (batch, ...)"
+            )
+        global_rows = np.shape(first)[0] * (jax.process_count() if not isinstance(first, jax.Array) else 1)
         return global_rows // self.plan.data_parallel_size
 
     def _set_microbatches(self, per_device: int, size: int) -> None:

@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 
 from openhosti_jax.data.position import CountingIterator, restartable
 from openhosti_jax.errors import ConfigError, StateError
+from openhosti_jax.sharding.batch import batch_leaves
 from openhosti_jax.state.layout import step_of
 from openhosti_jax.train.metrics import MetricsLog, to_python
 from openhosti_jax.train.profiling import ProfileWindow
@@ -63,7 +64,7 @@ class FitResult:
 
 
 def _default_tokens(batch: Any) -> int:
-    leaves = [x for x in jax.tree.leaves(batch) if np.ndim(x) >= 1]
+    leaves = [x for x, f in zip(jax.tree.leaves(batch), batch_leaves(batch), strict=True) if f]  # keys aside
     if not leaves:
         return 0
     first = leaves[0]

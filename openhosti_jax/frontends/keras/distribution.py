@@ -3,7 +3,8 @@ the strategy says, and the hooks Keras calls (datasets given to ``fit``, a layer
 
 Keras fixes a variable's layout when the variable is created and the data layout once per epoch; the strategy
 answers both. A layer run while a TensorFlow ``GradientTape`` records (a TF-backend custom training loop) is an
-`UnsupportedError`: the tape cannot see JAX arrays.
+`UnsupportedError`: the tape cannot see JAX arrays; so is a model that would train unjitted over the mesh
+(`openhosti_jax.frontends.keras.jit`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from jax.sharding import Mesh
 
 from openhosti_jax.errors import ShardingError, UnsupportedError
 from openhosti_jax.frontends.keras._backend import install_partial_batches, keras_module, tf_gradient_tape_active
+from openhosti_jax.frontends.keras.jit import install_jit_check
 
 if TYPE_CHECKING:
     from openhosti_jax.frontends.keras.strategy import Strategy
@@ -90,6 +92,7 @@ def distribution_class() -> type:
             return self.strategy.positioned(dataset)
 
     install_partial_batches(StrategyDistribution)
+    install_jit_check(StrategyDistribution, lambda d: d.mesh.size)
     return StrategyDistribution
 
 
