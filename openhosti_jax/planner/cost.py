@@ -297,6 +297,16 @@ class _Layout:
         """Bytes of leaf ``x`` on one device under ``spec`` (memoised: a search prices the same leaves many times)."""
         return _block_bytes(tuple(x.shape), x.dtype.itemsize, spec, self.sizes_key)
 
+    @property
+    def loss_end_share(self) -> float:
+        """Of the loss's two fp32 output-sized copies, the share held at the forward's end: 1, or where the compiler
+        keeps one as the head's product in the compute dtype (`CompilerMemory.loss_copy_in_compute_dtype`),
+        ``(1 + compute / output itemsize) / 2``."""
+        if not self.profile.memory.loss_copy_in_compute_dtype:
+            return 1.0
+        out = max((v.aval.dtype.itemsize for v in self.work.outputs), default=4)
+        return (1 + min(self.mp.compute_dtype.itemsize / out, 1.0)) / 2
+
     def stacked(self, names: Any) -> bool:
         """Whether a leaf with logical axis ``names`` is stacked over a scanned ``"layers"`` axis."""
         return bool(names) and names[0] == LAYER_AXIS
@@ -458,8 +468,9 @@ def _memory(lay: _Layout, acts: _Activations) -> _Memory:
         if not lay.profile.memory.phase_peaks:  # the loss's copies and a block's residuals live into every phase
             loop = act + grads.stacked_out + grads.loop + grads.held
             return (max(act + grads.start, loop, reduction) + accumulator + cast) / stages
+        at_end = loss * lay.loss_end_share  # the loss's copies at the forward's end, as the compiler keeps them
         peak = max(
-            kept + loss + grads.head,  # the forward's end: the loss's two copies, the output head gathered
+            kept + at_end + grads.head,  # the forward's end: the loss's two copies, the output head gathered
             kept + loss / 2 + grads.start,  # the backward's start: the outputs' cotangent, the head's gradient
             kept + block + grads.stacked_out + grads.loop + grads.held,  # the layers' backward loop
             reduction,

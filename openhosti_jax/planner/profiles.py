@@ -58,6 +58,9 @@ class CompilerMemory:
     gradients_in_compute_dtype: bool = True
     """Whether a gathered weight's full gradient stays in the compute dtype until it is reduced (the gradient of the
     cast copy it was computed with); False: converted to the parameters' dtype first."""
+    loss_copy_in_compute_dtype: bool = False
+    """Whether, of the loss's two output-sized copies at the forward's end, one is the output head's product in the
+    compute dtype (the fp32 logits made from it inside the loss's fusions) rather than a second fp32 copy."""
 
 
 XLA_TPU = CompilerMemory()
@@ -66,6 +69,12 @@ chip): at seq 8192 with remat full the peak (12.5 GiB) is the forward's end, the
 copies and the gathered bf16 output head, none of the head's gradient; with remat none (73.5 GiB) every layer's
 residuals there and no layer's gathered weights; the gradients of gathered weights are reduced in bf16 (the
 embedding's as a ``bf16[128256,4096]`` all-reduce)."""
+
+XLA_TPU_V6E = CompilerMemory(loss_copy_in_compute_dtype=True)
+"""XLA:TPU on v6e (libtpu 0.0.42): as `XLA_TPU`, but at the forward's end Llama-3 8B's loss holds its logits once in
+fp32 (``f32[4096,128256]``, 2.1 GB) and once as the head's bf16 product (1.05 GB), where v5p holds two fp32 copies
+(seq 4096, remat full, one sequence per chip: fsdp=64 on v6e-64 and fsdp=256 on v6e-256 compiled to 0.91 and 0.87
+of the prediction with two fp32 copies; the same plan on v5p-512, 1.005)."""
 
 XLA_CPU = CompilerMemory(phase_peaks=False, keeps_gathered_weights=True, gradients_in_compute_dtype=False)
 """XLA:CPU (jax 0.10.2), from the compiled footprints of width-true, 4-layer presets on 8 devices: they hold the
@@ -344,6 +353,7 @@ def _spec(
     matmul_curve: tuple[tuple[float, float], ...] = (),
     link_efficiency: tuple[tuple[float, float], ...] = (),
     dcn_efficiency: tuple[tuple[float, float], ...] = (),
+    memory: CompilerMemory = XLA_TPU,
 ) -> DeviceProfile:
     """A spec-sheet profile: a link bandwidth per collective kind (one number: every kind), the compiler
     overlapping collectives with compute (XLA's latency-hiding scheduler on GPU and TPU), 10 us per collective
@@ -366,6 +376,7 @@ def _spec(
         matmul_curve=matmul_curve,
         link_efficiency=link_efficiency,
         dcn_efficiency=dcn_efficiency,
+        memory=memory,
     )
 
 
@@ -630,6 +641,7 @@ PROFILES: dict[str, DeviceProfile] = {
             "bidirectional ICI 800 GB/s per chip, 8 chips per host, 4 x 200 Gb/s NICs per host, 2D torus)",
             _NO_TPU_CURVES,
         ),
+        memory=XLA_TPU_V6E,
     ),
 }
 """Spec-sheet profiles by device kind, each citing its sources (`DeviceProfile.sources`)."""
