@@ -327,6 +327,7 @@ def emergency_copy(
     save: Callable[[epath.Path], epath.Path],
     *,
     keep: int | None,
+    key: bytes | None = None,
 ) -> str | None:
     """One last save of ``step`` straight to the replica when the checkpoint directory cannot be written: into a
     fresh folder under the system's temporary directory (``tempfile.mkdtemp``), checksummed, copied to
@@ -338,7 +339,7 @@ def emergency_copy(
     staging = tempfile.mkdtemp(prefix="openhosti-emergency-")
     try:
         step_dir = save(epath.Path(staging))
-        record_checksums(step_dir)
+        record_checksums(step_dir, key=key)
         replicate_step(step_dir, replicate_to, keep=keep)
     except Exception as e:  # noqa: BLE001 - said to the caller, who raises or warns
         return f"{cause_of(e)} (staged in {staging})"

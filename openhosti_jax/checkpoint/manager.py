@@ -110,6 +110,7 @@ from openhosti_jax.checkpoint.replicate import (
     replicate_step,
     step_folders,
 )
+from openhosti_jax.checkpoint.trust import checkpoint_key, is_step_name
 from openhosti_jax.data.protocol import check_json_state
 from openhosti_jax.errors import (
     CheckpointCorruptError,
@@ -168,7 +169,7 @@ def _is_good(step_dir: epath.Path) -> bool:
 def _good_steps(root: epath.Path) -> list[int]:
     if not root.exists():
         return []
-    return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit() and _is_good(p))
+    return sorted(int(p.name) for p in root.iterdir() if is_step_name(p.name) and _is_good(p))
 
 
 def _read_meta(reader: Any, step: int) -> dict[str, Any]:
@@ -236,6 +237,8 @@ class CheckpointManager:
             keeps its own shards in its own directory (`openhosti_jax.checkpoint.local`).
         max_failures, low_space: the `openhosti_jax.checkpoint.faults.FailurePolicy`: stop after this many saves
             in a row failed (``None``: never), and what a disk without room for two checkpoints gets.
+        key: an HMAC-SHA256 key for the checksum records (default ``$OPENHOSTI_CHECKPOINT_KEY``): a record that
+            fails it is corrupt (tamper evidence; without a key the CRCs catch accidents, not tampering).
 
     The directory is created and written to at construction (`CheckpointSaveError` if it cannot be), and again
     before every save. A failed save is said at once (a log line and a `CheckpointWarning` naming the step, the
@@ -256,10 +259,12 @@ class CheckpointManager:
         shared: bool | None = None,
         max_failures: int | None = 3,
         low_space: str = "error",
+        key: str | bytes | None = None,
     ) -> None:
         self.policy = SavePolicy(every_minutes=every_minutes, every_steps=every_steps, keep=keep)
         if not (isinstance(agree_every, int) and agree_every >= 1):
             raise ConfigError(f"expected agree_every to be an int >= 1, found {agree_every!r}")
+        self._key = checkpoint_key(key)
         self.faults = FaultLog(FailurePolicy(max_consecutive=max_failures, low_space=low_space))
         """The failed saves (``faults.count`` is the ``checkpoint_failures`` the `Trainer` logs)."""
         self.directory = epath.Path(directory)
@@ -540,7 +545,7 @@ class CheckpointManager:
         with self._copy_lock:  # the background copies then skip older steps
             self._to_copy.add(int(step))
         try:
-            return emergency_copy(int(step), self.replicate_to, save, keep=self.policy.keep)
+            return emergency_copy(int(step), self.replicate_to, save, keep=self.policy.keep, key=self._key)
         finally:
             with self._copy_lock:
                 self._to_copy.discard(int(step))
@@ -569,7 +574,9 @@ class CheckpointManager:
         if committed:
             try:
                 files = files_written_by(path, arrays, me)
-                record_checksums(path, files, process=me, process_count=count, pace=self._pace, threads=self._threads)
+                record_checksums(
+                    path, files, process=me, process_count=count, pace=self._pace, threads=self._threads, key=self._key
+                )
             except (OSError, CheckpointError) as e:  # e.g. the disk filled up after the commit
                 problem = str(self._save_failed(step, e))
         if count > 1:  # every process learns whether all recorded their part (a failed one writes no file)
@@ -603,7 +610,13 @@ class CheckpointManager:
         if committed:
             try:
                 record = record_checksums(
-                    path, item_files(path), process=me, process_count=count, pace=self._pace, threads=self._threads
+                    path,
+                    item_files(path),
+                    process=me,
+                    process_count=count,
+                    pace=self._pace,
+                    threads=self._threads,
+                    key=self._key,
                 )
             except (OSError, CheckpointError) as e:
                 problem = str(self._save_failed(step, e))
@@ -639,8 +652,8 @@ class CheckpointManager:
         self._excluded = {s for s in mine if s not in agreed}
         if not agreed or agreed[0] in mine:
             return None
-        fetch_step(self.replicate_to, agreed[0], self.directory)
-        self._mgr.reload()
+        if not self._fetch(agreed[0]):
+            return None  # restore fetches it again, and falls back with the others when it fails there too
         return agreed[0]
 
     def _fetch_newer_replica(self) -> int | None:
@@ -649,12 +662,26 @@ class CheckpointManager:
         survives through the local path it already takes."""
         remote = replica_steps(self.replicate_to)
         local = _good_steps(self.directory)
-        if not remote or (local and local[-1] >= remote[-1]):
-            return None
-        self.directory.mkdir(parents=True, exist_ok=True)
-        fetch_step(self.replicate_to, remote[-1], self.directory)
+        for step in reversed(remote):  # newest first; one that cannot be fetched (a planted key) is skipped
+            if local and local[-1] >= step:
+                return None
+            if self._fetch(step):
+                return step
+        return None
+
+    def _fetch(self, step: int) -> bool:
+        """Fetch the replica's ``step`` onto the local tier; False (with a warning naming why) when it fails."""
+        try:
+            fetch_step(self.replicate_to, step, self.directory)
+        except Exception as e:  # noqa: BLE001 - a corrupt or unreachable replica step: resume from another one
+            warnings.warn(
+                f"could not fetch checkpoint step {step} from {self.replicate_to}: {type(e).__name__}: {str(e)[:500]}",
+                CheckpointWarning,
+                stacklevel=3,
+            )
+            return False
         self._mgr.reload()
-        return remote[-1]
+        return True
 
     def _replicate(self, path: epath.Path, committed_at: float, share: list[str] | None = None) -> None:
         """Background: copy the step to the replica (``share``: this process's part of it, per-process directories);
@@ -680,6 +707,7 @@ class CheckpointManager:
                     unrecorded=extra,
                     before_commit=all_uploaded,
                     gate=self._gate,
+                    key=self._key,
                 )
                 if not committed:
                     raise CheckpointError(
@@ -739,7 +767,7 @@ class CheckpointManager:
         drop |= {
             int(p.name)
             for p in self.directory.iterdir()
-            if p.name.isdigit() and int(p.name) < good[-1] and (not _is_good(p) or int(p.name) in self._excluded)
+            if is_step_name(p.name) and int(p.name) < good[-1] and (not _is_good(p) or int(p.name) in self._excluded)
         }
         with self._copy_lock:
             drop -= self._to_copy  # a step still being copied to the replica goes at a later rotation
@@ -841,7 +869,9 @@ class CheckpointManager:
 
         Checks every file of the step (all processes' records), ``threads`` files at a time.
         """
-        return verify_checksums(self.directory / str(int(step)), threads=self._threads)
+        step_dir = self.directory / str(int(step))
+        record, problems = load_records(step_dir, self._key)
+        return problems or verify_checksums(step_dir, record=record, threads=self._threads)
 
     def restore(
         self, abstract_state: Any, step: int | None = None, *, partial: bool = False, verify: bool = True
@@ -955,7 +985,7 @@ class CheckpointManager:
         if not self.directory.exists():
             found.append(f"{self.directory} does not exist")
         else:
-            folders = sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit())
+            folders = sorted(int(p.name) for p in self.directory.iterdir() if is_step_name(p.name))
             found.append(
                 f"{self.directory} has step folders {folders} but none has all its checksum records (saves that "
                 "never finished)"
@@ -999,10 +1029,11 @@ class CheckpointManager:
         ``meta`` item before the arrays are verified, so a changed model never reads as a corrupt checkpoint.
         """
         step_dir = root / str(step)
-        record, problems = load_records(step_dir) if verify else ({}, [])
+        record, problems = load_records(step_dir, self._key) if verify else ({}, [])
         meta: dict[str, Any] = {}
-        if not problems and verify:
-            problems = verify_checksums(step_dir, [r for r in record if r.startswith("meta/")], record=record)
+        if not problems and verify:  # every meta file, recorded or not (one the record does not list is refused)
+            metas = {r for r in set(record) | set(item_files(step_dir)) if r.startswith("meta/")}
+            problems = verify_checksums(step_dir, sorted(metas), record=record)
         problems = self._agree_problems(problems)  # every process passes the same ones (each call an exchange)
         if problems:
             return problems, meta, None
