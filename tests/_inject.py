@@ -4,8 +4,9 @@ The tests may run as root, where ``chmod`` stops no write, and no loopback or re
 
 - `read_only` makes every write under a directory fail with ``EROFS`` at the Python OS-call level (``io.open`` and
   ``os.open`` for writing, ``os.mkdir``, ``os.rename``, ``os.replace``, ``os.unlink``, ``os.rmdir``), as a read-only
-  mount would. Orbax's TensorStore writes are C++ and do not pass there, but the probe `CheckpointManager` makes
-  before each save is refused first, as on a real read-only disk.
+  mount would; `disk_full` does the same with ``ENOSPC``, as a disk with no byte left (other disks, ``/tmp``, still
+  take writes). Orbax's TensorStore writes are C++ and do not pass there, but the probe `CheckpointManager` makes
+  before each save is refused first, as on a real read-only or full disk.
 - `file_size_limit` sets ``RLIMIT_FSIZE``: the kernel itself refuses any write past that many bytes in a file
   (``EFBIG``, "File too large"), TensorStore's included: a disk that fills up in the middle of a save.
 """
@@ -23,9 +24,19 @@ from collections.abc import Iterator
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 
 
-@contextlib.contextmanager
-def read_only(directory: str | os.PathLike[str]) -> Iterator[None]:
+def read_only(directory: str | os.PathLike[str]) -> contextlib.AbstractContextManager[None]:
     """Inside: writes under ``directory`` fail with ``OSError(EROFS)``."""
+    return refused(directory, errno.EROFS)
+
+
+def disk_full(directory: str | os.PathLike[str]) -> contextlib.AbstractContextManager[None]:
+    """Inside: writes under ``directory`` fail with ``OSError(ENOSPC)``."""
+    return refused(directory, errno.ENOSPC)
+
+
+@contextlib.contextmanager
+def refused(directory: str | os.PathLike[str], code: int) -> Iterator[None]:
+    """Inside: writes under ``directory`` fail with ``OSError(code)``."""
     root = os.path.abspath(os.fspath(directory))
 
     def under(path: object) -> bool:
@@ -36,7 +47,7 @@ def read_only(directory: str | os.PathLike[str]) -> Iterator[None]:
         return p == root or p.startswith(root + os.sep)
 
     def refuse(path: object) -> OSError:
-        return OSError(errno.EROFS, os.strerror(errno.EROFS), os.fspath(path))
+        return OSError(code, os.strerror(code), os.fspath(path))
 
     real = {name: getattr(os, name) for name in ("open", "mkdir", "rename", "replace", "unlink", "remove", "rmdir")}
     real_io_open = io.open

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _inject import file_size_limit, read_only
+from _inject import disk_full, file_size_limit, read_only
 
 from openhosti_jax.checkpoint import CheckpointManager, CheckpointWarning
 from openhosti_jax.checkpoint import faults as faults_module
@@ -182,3 +182,35 @@ def test_a_run_whose_every_update_is_not_finite_ends_with_a_typed_error():
     trainer = Trainer(jax.jit(step), progress=False, log_every=4, max_nonfinite=5)
     with pytest.raises(NonFiniteError, match=r"5 steps in a row .* batch 8 \(step 3; last finite loss: 0.333333\)"):
         trainer.fit({"step": jnp.int32(0)}, iter(lambda: jnp.zeros(2), None), num_steps=100)
+
+
+def _sigterm_save(ckpt, step):
+    import os
+    import signal
+
+    ckpt.save_on_signal()
+    os.kill(os.getpid(), signal.SIGTERM)
+    return ckpt.maybe_save(step, _state(step))  # not due by the schedule: the signal asks for it
+
+
+def test_sigterm_on_a_full_disk_still_writes_the_emergency_checkpoint_to_the_replica(tmp_path):
+    local, replica = tmp_path / "local", tmp_path / "replica"
+    ckpt = CheckpointManager(local, every_minutes=None, replicate_to=replica)
+    ckpt.maybe_save(2, _state(2), force=True)
+    ckpt.wait()
+    with disk_full(local), pytest.warns(CheckpointWarning, match="No space left.*saved to the replica .* instead"):
+        _sigterm_save(ckpt, 5)  # the local disk is full; the replica's copy goes through /tmp
+    assert ckpt.preempted and ckpt.good_steps() == [2] and ckpt.replica_steps() == [2, 5]
+    ckpt.close()
+    shutil.rmtree(local)
+    assert _restored_equals(local, 5, replicate_to=replica)
+
+
+def test_sigterm_on_a_full_disk_without_a_replica_says_it_could_not_save(tmp_path):
+    ckpt = CheckpointManager(tmp_path, every_minutes=None)
+    with file_size_limit(4 << 20), pytest.raises(CheckpointSaveError) as e, warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointWarning)
+        _sigterm_save(ckpt, 5)
+    assert e.value.step == 5 and "File too large" in str(e.value)
+    assert any("saved nowhere" in n for n in e.value.__notes__)
+    ckpt.close()

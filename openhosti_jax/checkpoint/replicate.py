@@ -83,23 +83,47 @@ def replica_steps(dest: str | os.PathLike[str]) -> list[int]:
 
 def replica_reachable(dest: str | os.PathLike[str]) -> None:
     """Write, read and delete a probe under ``dest`` so that credentials or an endpoint that do not work are
-    reported before training starts, not at the first save (`ConfigError` saying what failed)."""
+    reported before training starts, not at the first save (`ConfigError` saying what failed). An object store's
+    bucket must exist already: it is never created here (a typo would otherwise make a new bucket)."""
     fs, root = replica_fs(dest)
+    url = os.fspath(dest)
     probe = f"{root}/.openhosti-probe-{os.getpid()}"
     problem, cause = None, None
+    protocols = fs.protocol if isinstance(fs.protocol, tuple | list) else (fs.protocol,)
+    bucket = root.strip("/").split("/", 1)[0] if set(protocols) & set(_EXTRAS) else None
     try:
+        if bucket is not None and not _bucket_exists(fs, bucket):
+            raise ConfigError(
+                f"replicate_to={url!r}: expected the bucket {bucket!r} to exist, found no such bucket (or none these "
+                f"credentials may see); create it first (`aws s3 mb s3://{bucket}`, `gcloud storage buckets create "
+                f"gs://{bucket}`) or fix the name"
+            )
         fs.makedirs(root, exist_ok=True)
         fs.pipe_file(probe, b"ok")
         if fs.cat_file(probe) != b"ok":
             problem = "a probe that read back differently"
         fs.rm_file(probe)
+    except ConfigError:
+        raise
+    except PermissionError as e:
+        problem, cause = f"the store refused these credentials ({type(e).__name__}: {str(e)[:300]})", e
     except Exception as e:  # noqa: BLE001 - any client failure (credentials, endpoint, permissions) is said once
         problem, cause = f"{type(e).__name__}: {str(e)[:300]}", e
     if problem is not None:
         raise ConfigError(
-            f"replicate_to={os.fspath(dest)!r}: expected a location this process can write, read and delete in, "
-            f"found {problem}; check the credentials, endpoint and bucket"
+            f"replicate_to={url!r}: expected a location this process can write, read and delete in, "
+            f"found {problem}; check the credentials (AWS_ACCESS_KEY_ID / AWS_PROFILE, "
+            "GOOGLE_APPLICATION_CREDENTIALS), the endpoint and the bucket"
         ) from cause
+
+
+def _bucket_exists(fs: Any, bucket: str) -> bool:
+    """Whether the object store has ``bucket``; a refusal (`PermissionError`: the credentials) is raised."""
+    try:
+        fs.info(bucket)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def _local_files(root: str) -> list[str]:
