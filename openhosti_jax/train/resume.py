@@ -41,7 +41,7 @@ class TrainerCheckpoint:
     records ``(step, seconds the training thread was blocked)`` for every save. ``max_failures`` and
     ``low_space`` are the manager's failure policy (`openhosti_jax.checkpoint.faults.FailurePolicy`): a failed save
     is said and counted (`failures`, logged as ``checkpoint_failures``) and training goes on, until that many saves
-    in a row failed.
+    in a row failed. ``key`` signs the checksum records (HMAC-SHA256; default ``$OPENHOSTI_CHECKPOINT_KEY``).
     """
 
     def __init__(
@@ -55,6 +55,7 @@ class TrainerCheckpoint:
         meta: dict[str, Any] | None = None,
         max_failures: int | None = 3,
         low_space: str = "error",
+        key: str | bytes | None = None,
     ):
         self.manager = CheckpointManager(
             directory,
@@ -64,6 +65,7 @@ class TrainerCheckpoint:
             replicate_to=replicate_to,
             max_failures=max_failures,
             low_space=low_space,
+            key=key,
         )
         self.meta = dict(meta or {})
         self.save_times: list[tuple[int, float]] = []
