@@ -466,7 +466,13 @@ class CheckpointManager:
             if step is not None:
                 self._save_failed(step, e)
             return
-        if step is not None and not (self.directory / str(step)).exists() and not self.faults.has_failed(step):
+        primary = not self.shared or jax.process_index() == 0  # another process renames a shared step's folder
+        if (
+            step is not None
+            and primary
+            and not (self.directory / str(step)).exists()
+            and not self.faults.has_failed(step)
+        ):
             self._save_failed(step, "its save did not commit (no step folder after Orbax finished)")
 
     def _save_failed(self, step: int, cause: BaseException | str) -> CheckpointSaveError:
