@@ -24,6 +24,7 @@ import argparse
 import dataclasses
 import importlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -45,6 +46,43 @@ _EPILOG = """exit codes:
 """
 
 
+MAX_SIMULATED_DEVICES = 4096
+"""The most simulated CPU devices ``--devices`` / ``--local-devices`` may ask for."""
+MAX_LOCAL_PROCESSES = 1024
+"""The most processes ``openhosti launch -n`` starts on one machine."""
+MAX_INT = 1 << 40
+"""The largest count any flag takes (steps, batch, widths): a larger one is a typing slip."""
+
+
+def _count(low: int = 1, high: int = MAX_INT) -> Callable[[str], int]:
+    """An argparse type: an ASCII integer in ``low..high`` (argparse says what was wrong and exits 2)."""
+
+    def parse(text: str) -> int:
+        t = text.strip()
+        digits = t[1:] if t[:1] in "+-" else t
+        if not (digits.isascii() and digits.isdigit()) or len(digits) > 20 or not low <= int(t) <= high:
+            raise argparse.ArgumentTypeError(f"expected an integer in {low}..{high:,}, found {text!r}")
+        return int(t)
+
+    return parse
+
+
+def _number(low: float = 0.0, *, strict: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite float ``>= low`` (``> low`` with ``strict``); nan and inf are refused."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value < low or (strict and value == low):
+            bound = f"> {low:g}" if strict else f">= {low:g}"
+            raise argparse.ArgumentTypeError(f"expected a finite number {bound}, found {text!r}")
+        return value
+
+    return parse
+
+
 def _backends_started() -> bool:
     if "jax" not in sys.modules:
         return False
@@ -57,6 +95,8 @@ def _use_devices(count: int, accelerator: bool) -> list[Any]:
     """The first ``count`` devices; on CPU forces ``count`` simulated devices if no backend has started yet."""
     if count < 1:
         raise UsageError(f"--devices must be >= 1, found {count}")
+    if not accelerator and count > MAX_SIMULATED_DEVICES:
+        raise UsageError(f"--devices: expected at most {MAX_SIMULATED_DEVICES} simulated CPU devices, found {count}")
     if not accelerator and not _backends_started():
         flags = os.environ.get("XLA_FLAGS", "").split()
         flags = [f for f in flags if not f.startswith("--xla_force_host_platform_device_count")]
@@ -187,12 +227,16 @@ def _global_batch(text: str, seq: int) -> int:
     """Sequences in the global batch: ``"1536"`` sequences, or tokens with a ``tok`` suffix (``"4Mtok"``)."""
     scale = {"": 1, "k": 2**10, "m": 2**20}
     low = text.strip().lower()
+
+    def digits(t: str) -> bool:
+        return t.isascii() and t.isdigit() and len(t) <= 15
+
     if low.endswith("tok"):
         number, unit = (low[:-4], low[-4]) if low[-4:-3] in ("k", "m") else (low[:-3], "")
-        if not number.isdigit() or (int(number) * scale[unit]) % seq:
+        if not digits(number) or int(number) < 1 or (int(number) * scale[unit]) % seq:
             raise UsageError(f"--global-batch {text!r}: tokens must be a whole number of {seq}-token sequences")
         return int(number) * scale[unit] // seq
-    if not low.isdigit() or int(low) < 1:
+    if not digits(low) or int(low) < 1:
         raise UsageError(f"--global-batch {text!r}: expected sequences (e.g. 1536) or tokens (e.g. 4Mtok)")
     return int(low)
 
@@ -205,8 +249,19 @@ def cmd_predict(args: argparse.Namespace) -> int:
     shape = _import("openhosti_jax.models.presets", "llama_shape")
     predict = _import("openhosti_jax.planner.predict", "predict")
     dims = {k: getattr(args, k) for k in ("layers", "d_model", "heads", "ffn", "vocab", "seq")}
+    unused = [f"--{k.replace('_', '-')}" for k in ("layers", "d_model", "heads", "kv_heads", "ffn", "vocab")]
+    unused = [f for f in unused if getattr(args, f[2:].replace("-", "_")) is not None]
+    if args.model is not None and unused:
+        raise UsageError(f"{', '.join(unused)} do not apply with --model (only --seq does); drop them or --model")
+    if args.mesh is None:
+        fixed = {"--zero": args.zero is not None, "--microbatch": args.microbatch is not None}
+        fixed["--virtual"] = args.virtual != 1
+        if any(fixed.values()):
+            raise UsageError(
+                f"{', '.join(k for k, v in fixed.items() if v)} fix a configuration: they apply with --mesh only"
+            )
     if args.model is not None:
-        model = presets(args.model, **({"seq_len": args.seq} if args.seq else {}))
+        model = presets(args.model, **({"seq_len": args.seq} if args.seq is not None else {}))
     elif all(v is not None for v in dims.values()):
         model = shape(kv_heads=args.kv_heads, **dims)
     else:
@@ -313,13 +368,16 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def _benchmarks() -> list[str]:
-    return sorted(p.stem for p in BENCHMARKS_DIR.glob("*.py")) if BENCHMARKS_DIR.is_dir() else []
+    """The benchmarks ``openhosti bench`` runs: the scripts of `BENCHMARKS_DIR` (not its goal-table reader)."""
+    if not BENCHMARKS_DIR.is_dir():
+        return []
+    return sorted(p.stem for p in BENCHMARKS_DIR.glob("*.py") if p.is_file() and p.stem not in ("goals", "__init__"))
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """Run ``benchmarks/NAME.py`` from a source checkout; its last stdout line is one JSON object."""
     path = BENCHMARKS_DIR / f"{args.name}.py"
-    if not path.is_file():
+    if args.name not in _benchmarks():  # only a script of benchmarks/ (never a path: ../x, /tmp/y)
         available = _benchmarks()
         where = f"found {available} in {BENCHMARKS_DIR}" if available else "this install has no benchmarks/ folder"
         raise UsageError(
@@ -348,7 +406,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _device_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--devices", type=int, default=8, help="devices to use; simulated CPU devices (default 8)")
+    p.add_argument(
+        "--devices", type=_count(1, MAX_INT), default=8, help="devices to use; simulated CPU devices (default 8)"
+    )
     p.add_argument("--accelerator", action="store_true", help="use the GPU/TPU instead of simulated CPU devices")
 
 
@@ -365,8 +425,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=fmt,
         description="Train the bundled GPT on the bundled corpus; print the plan and progress.",
     )
-    t.add_argument("--steps", type=int, default=50, help="optimizer steps (default 50)")
-    t.add_argument("--batch", type=int, default=32, help="global batch in sequences (default 32)")
+    t.add_argument("--steps", type=_count(), default=50, help="optimizer steps (default 50)")
+    t.add_argument("--batch", type=_count(), default=32, help="global batch in sequences (default 32)")
     t.add_argument("--plan", default="auto", help="auto (default: planned) | fsdp | dp | zero1 | zero2 | 0-3")
     t.add_argument("--run-dir", help="write metrics.jsonl, plan.txt, plan.json (and checkpoint times) here")
     t.add_argument("--metrics", help="JSONL metrics path (default RUN_DIR/metrics.jsonl)")
@@ -377,15 +437,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--checkpoint-dir is empty or stale resumes from it",
     )
     t.add_argument("--checkpoint", action="store_true", help="checkpoint into RUN_DIR/checkpoints")
-    t.add_argument("--checkpoint-every", type=int, default=None, help="also save every K steps")
-    t.add_argument("--seq-len", type=int, default=32, help="tokens per sequence (default 32)")
-    t.add_argument("--d-model", type=int, default=64, help="model width (default 64)")
-    t.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
-    t.add_argument("--num-sequences", type=int, default=2048, help="corpus size in sequences (default 2048)")
-    t.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate (default 3e-3)")
-    t.add_argument("--seed", type=int, default=0, help="init / data seed (default 0)")
+    t.add_argument("--checkpoint-every", type=_count(), default=None, help="also save every K steps")
+    t.add_argument("--seq-len", type=_count(), default=32, help="tokens per sequence (default 32)")
+    t.add_argument("--d-model", type=_count(), default=64, help="model width (default 64)")
+    t.add_argument("--layers", type=_count(), default=2, help="transformer blocks (default 2)")
+    t.add_argument("--num-sequences", type=_count(), default=2048, help="corpus size in sequences (default 2048)")
+    t.add_argument("--lr", type=_number(0.0, strict=True), default=3e-3, help="Adam learning rate (default 3e-3)")
+    t.add_argument("--seed", type=_count(0, 2**63 - 1), default=0, help="init / data seed (default 0)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
-    t.add_argument("--log-every", type=int, default=10, help="fetch and write metrics every N steps (default 10)")
+    t.add_argument("--log-every", type=_count(), default=10, help="fetch and write metrics every N steps (default 10)")
     t.add_argument("--tensorboard", action="store_true", help="also write TensorBoard events to RUN_DIR/tensorboard")
     t.add_argument("--profile-steps", help="FIRST:LAST: a jax.profiler trace of those steps in RUN_DIR/profile")
     t.add_argument("--replan", action="store_true", help="on resume, plan again instead of keeping the saved plan")
@@ -400,7 +460,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Plan a bundled example model and print the report.",
     )
     p.add_argument("--example", default="gpt", help="example model name (default gpt)")
-    p.add_argument("--memory-budget", type=int, default=None, help="per-device bytes (default: device memory)")
+    p.add_argument("--memory-budget", type=_count(), default=None, help="per-device bytes (default: device memory)")
     _device_flags(p)
     p.set_defaults(handler=cmd_plan)
 
@@ -420,15 +480,17 @@ def build_parser() -> argparse.ArgumentParser:
         "sdxl-unet",
     )
     for flag in ("layers", "d-model", "heads", "kv-heads", "ffn", "vocab", "seq"):
-        pr.add_argument(f"--{flag}", type=int, default=None, help=f"model {flag} (without --model; --seq also with)")
+        pr.add_argument(
+            f"--{flag}", type=_count(), default=None, help=f"model {flag} (without --model; --seq also with)"
+        )
     pr.add_argument("--cluster", required=True, help="e.g. 8xH100, 64xH100 (8 hosts of 8), 8x8xA100, v5p-128")
     pr.add_argument("--global-batch", required=True, help="sequences (1536) or tokens (4Mtok, 4194304tok)")
     pr.add_argument("--mesh", default=None, help="fixed axis sizes, e.g. fsdp=8 or stage=8,tensor=8")
-    pr.add_argument("--zero", type=int, default=None, choices=[0, 1, 2, 3], help="ZeRO stage (with --mesh)")
+    pr.add_argument("--zero", type=_count(0, 3), default=None, choices=[0, 1, 2, 3], help="ZeRO stage (with --mesh)")
     pr.add_argument("--remat", default=None, help="none, dots, selective, full or offload")
     pr.add_argument("--precision", default=None, help="fp32, bf16, bf16_params")
-    pr.add_argument("--microbatch", type=int, default=None, help="microbatches per step (with --mesh)")
-    pr.add_argument("--virtual", type=int, default=1, help="interleaved chunks per pipeline stage (with --mesh)")
+    pr.add_argument("--microbatch", type=_count(), default=None, help="microbatches per step (with --mesh)")
+    pr.add_argument("--virtual", type=_count(), default=1, help="interleaved chunks per pipeline stage (with --mesh)")
     pr.add_argument(
         "--stack",
         default=None,
@@ -436,7 +498,9 @@ def build_parser() -> argparse.ArgumentParser:
         "torchtitan-compile, maxtext (TPU), maxtext-gpu",
     )
     pr.add_argument("--no-pipeline", action="store_true", help="do not consider pipelined meshes")
-    pr.add_argument("--memory-budget", type=float, default=None, help="GiB per device (default: the device's)")
+    pr.add_argument(
+        "--memory-budget", type=_number(0.0, strict=True), default=None, help="GiB per device (default: the device's)"
+    )
     pr.add_argument(
         "--compile",
         action="store_true",
@@ -461,9 +525,9 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("gpipe", "1f1b", "interleaved"),
         help="simulate this pipeline schedule when the run recorded none",
     )
-    r.add_argument("--stages", type=int, default=4, help="pipeline stages for --schedule (default 4)")
-    r.add_argument("--microbatches", type=int, default=8, help="microbatches for --schedule (default 8)")
-    r.add_argument("--virtual", type=int, default=1, help="chunks per stage for interleaved (default 1)")
+    r.add_argument("--stages", type=_count(1, 4096), default=4, help="pipeline stages for --schedule (default 4)")
+    r.add_argument("--microbatches", type=_count(1, 1 << 16), default=8, help="microbatches for --schedule (default 8)")
+    r.add_argument("--virtual", type=_count(1, 256), default=1, help="chunks per stage for interleaved (default 1)")
     r.set_defaults(handler=cmd_report)
 
     b = sub.add_parser(
@@ -484,9 +548,15 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=fmt,
         description="openhosti launch -n 2 -- python train.py",
     )
-    la.add_argument("-n", "--num-processes", type=int, required=True, help="processes to start")
-    la.add_argument("--local-devices", type=int, default=None, help="simulated CPU devices per process")
-    la.add_argument("--port", type=int, default=None, help="coordinator port on 127.0.0.1 (default: a free one)")
+    la.add_argument(
+        "-n", "--num-processes", type=_count(1, MAX_LOCAL_PROCESSES), required=True, help="processes to start"
+    )
+    la.add_argument(
+        "--local-devices", type=_count(1, MAX_SIMULATED_DEVICES), default=None, help="simulated CPU devices per process"
+    )
+    la.add_argument(
+        "--port", type=_count(1, 65535), default=None, help="coordinator port on 127.0.0.1 (default: a free one)"
+    )
     la.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the command to run")
     la.set_defaults(handler=cmd_launch)
 
@@ -500,13 +570,15 @@ def build_parser() -> argparse.ArgumentParser:
         "SIGINT is passed on to it and ends the supervision. Cluster use: around `srun` in\n"
         "examples/slurm/train_gpt.sbatch, around each pod's process in examples/k8s/jobset.yaml.",
     )
-    ru.add_argument("--max-restarts", type=int, default=3, help="restarts before giving up (default 3)")
-    ru.add_argument("--backoff-s", type=float, default=None, help="seconds before the first restart (default 5)")
-    ru.add_argument("--backoff-factor", type=float, default=None, help="each wait is this times the last (default 2)")
-    ru.add_argument("--max-backoff-s", type=float, default=None, help="longest wait in seconds (default 300)")
+    ru.add_argument("--max-restarts", type=_count(0, 1 << 20), default=3, help="restarts before giving up (default 3)")
+    ru.add_argument("--backoff-s", type=_number(), default=None, help="seconds before the first restart (default 5)")
+    ru.add_argument(
+        "--backoff-factor", type=_number(1.0), default=None, help="each wait is this times the last (default 2)"
+    )
+    ru.add_argument("--max-backoff-s", type=_number(), default=None, help="longest wait in seconds (default 300)")
     ru.add_argument(
         "--reset-after-s",
-        type=float,
+        type=_number(0.0, strict=True),
         default=None,
         help="a run this long before failing resets the restart count and backoff (default: never)",
     )

@@ -55,6 +55,23 @@ class CheckpointError(OpenhostiError, RuntimeError):
     """A checkpoint could not be saved, found or restored."""
 
 
+class CheckpointSaveError(CheckpointError):
+    """A checkpoint could not be written: ``step`` (None: found before the first save, at construction) and
+    ``path`` say which and where; the message gives the cause (the OS's errno text) and the fix."""
+
+    def __init__(self, message: str, *, step: int | None = None, path: str | None = None) -> None:
+        super().__init__(message)
+        self.step = step
+        self.path = path
+
+    def __reduce__(self) -> tuple:  # pickles (e.g. across processes) with its step and path
+        return (_save_error, (str(self), self.step, self.path))
+
+
+def _save_error(message: str, step: int | None, path: str | None) -> CheckpointSaveError:
+    return CheckpointSaveError(message, step=step, path=path)
+
+
 class CheckpointCorruptError(CheckpointError):
     """A checkpoint's stored bytes do not match the checksums written at save time."""
 
@@ -84,6 +101,11 @@ class StepArgumentError(OpenhostiError, TypeError):
     """A train step's argument is neither a pytree of arrays nor an nnx graph object, or a static one is unhashable."""
 
 
+class NonFiniteError(StateError):
+    """Training made no progress: every update of too many steps in a row was not finite (skipped); the message
+    names the step and the last finite loss."""
+
+
 class StepOutputError(StateError):
     """A ``step(state, batch)`` returned something other than ``(new_state, metrics)``."""
 
@@ -111,12 +133,14 @@ __all__ = [
     "PipelineError",
     "BalanceError",
     "CheckpointError",
+    "CheckpointSaveError",
     "CheckpointCorruptError",
     "CheckpointMismatchError",
     "DistributedError",
     "BridgeError",
     "UnsupportedError",
     "StateError",
+    "NonFiniteError",
     "StepArgumentError",
     "StepOutputError",
     "ReportError",

@@ -140,3 +140,43 @@ def test_an_endpoint_that_does_not_answer_is_reported_before_training(tmp_path, 
     s3fs.S3FileSystem.clear_instance_cache()
     with pytest.raises(ConfigError, match="expected a location this process can write"):
         CheckpointManager(tmp_path / "local", replicate_to="s3://ckpt/run")
+
+
+def test_a_bucket_that_does_not_exist_is_refused_not_created(tmp_path, s3):
+    import boto3
+
+    from openhosti_jax.checkpoint import CheckpointManager
+    from openhosti_jax.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="expected the bucket 'no-such-bucket' to exist.*aws s3 mb"):
+        CheckpointManager(tmp_path / "local", replicate_to="s3://no-such-bucket/run")
+    assert "no-such-bucket" not in [b["Name"] for b in boto3.client("s3").list_buckets()["Buckets"]]
+
+
+def test_credentials_the_bucket_refuses_are_reported_before_training(tmp_path, monkeypatch):
+    """A server that checks signatures (moto with authentication on: the one bucket is made unauthenticated, then
+    every request needs a key it knows): the test's made-up key is refused, and the error says so."""
+    import s3fs
+
+    from openhosti_jax.checkpoint import CheckpointManager
+    from openhosti_jax.errors import ConfigError
+
+    port = _free_port()
+    for k, v in {
+        "AWS_ACCESS_KEY_ID": "test",
+        "AWS_SECRET_ACCESS_KEY": "test",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        "AWS_MAX_ATTEMPTS": "1",
+        "INITIAL_NO_AUTH_ACTION_COUNT": "1",  # read by the server process: the bucket's creation is the one free call
+    }.items():
+        monkeypatch.setenv(k, v)
+    s3fs.S3FileSystem.clear_instance_cache()
+    server = S3Server(port)
+    server.start()
+    try:
+        with pytest.raises(ConfigError, match="refused these credentials|InvalidAccessKeyId|Forbidden"):
+            CheckpointManager(tmp_path / "local", replicate_to="s3://ckpt/run")
+    finally:
+        server.stop()
+        s3fs.S3FileSystem.clear_instance_cache()

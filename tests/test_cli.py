@@ -129,3 +129,63 @@ def test_bench_gpu_mfu_dry_run(capfd):
     tps = res["global_batch"] * res["seq_len"] / statistics.median(res["step_times_s"])
     assert res["tokens_per_s"] == pytest.approx(tps)
     assert res["mfu"] == pytest.approx(tps * res["flops_per_token"] / (res["devices"] * res["peak_flops_per_device"]))
+
+
+_LLAMA = ["--model", "llama3-8b", "--global-batch", "8"]
+BAD_LINES = [
+    ["train", "--lr", "nan"],
+    ["train", "--lr", "-1"],
+    ["train", "--steps", "0"],
+    ["train", "--batch", "abc"],
+    ["train", "--devices", "100000"],
+    ["plan", "--devices", "0"],
+    ["plan", "--memory-budget", "-5"],
+    ["plan", "--devices", "x"],
+    ["plan", "--example", "nosuch"],
+    ["plan", "--devices", "100000"],
+    ["predict", "--cluster", "8000000000000000000000xH100", *_LLAMA],
+    ["predict", "--cluster", "0xH100", *_LLAMA],
+    ["predict", "--cluster", "99999x99999xH100", *_LLAMA],
+    ["predict", "--cluster", "8xH100", "--model", "llama3-8b", "--global-batch", "²"],
+    ["predict", "--cluster", "8xH100", *_LLAMA, "--seq", "0"],
+    ["predict", "--cluster", "8xH100", *_LLAMA, "--layers", "4"],
+    ["predict", "--cluster", "8xH100", *_LLAMA, "--zero", "2"],
+    ["predict", "--cluster", "8xH100", *_LLAMA, "--memory-budget", "nan"],
+    ["report", "/nonexistent/run"],
+    ["report", "RUN", "--stages", "0"],
+    ["report", "RUN_BAD_JSON"],
+    ["report", "RUN_BAD_FIELD"],
+    ["bench", "../x"],
+    ["bench", "/tmp/x"],
+    ["bench", "goals"],
+    ["bench", "checkpoint/../planner"],
+    ["launch", "-n", "0", "--", "true"],
+    ["launch", "-n", "2"],
+    ["launch", "-n", "2", "--port", "70000", "--", "true"],
+    ["launch", "-n", "100000", "--", "true"],
+    ["launch", "-n", "2", "--local-devices", "0", "--", "true"],
+    ["run", "--max-backoff-s", "nan", "--", "true"],
+    ["run", "--backoff-s", "-1", "--", "true"],
+    ["run", "--max-restarts", "-1", "--", "true"],
+    ["run", "--backoff-factor", "0.5", "--", "true"],
+    ["run", "--reset-after-s", "0", "--", "true"],
+]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("line", BAD_LINES, ids=lambda line: " ".join(line)[:60])
+def test_a_malformed_command_line_gets_a_one_line_typed_error_and_a_failing_exit(line, tmp_path, capsys):
+    runs = {
+        "RUN": "{}\n",
+        "RUN_BAD_JSON": '{"step": 1, "loss": 2.0}\n{"step": 2, "lo',
+        "RUN_BAD_FIELD": '{"loss": "y"}\n',
+    }
+    for i, word in enumerate(line):
+        if word in runs:
+            (tmp_path / word).mkdir()
+            (tmp_path / word / "metrics.jsonl").write_text(runs[word])
+            line = [*line[:i], str(tmp_path / word), *line[i + 1 :]]
+    assert main(line) in (1, 2)  # no exception escapes main, nothing hangs (the timeout), nothing starts
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and "Traceback" not in "\n".join(err)
+    assert err[-1].startswith(f"openhosti {line[0]}: ") or err[-1].startswith("openhosti: error:"), err[-1]

@@ -118,3 +118,37 @@ def test_bad_arguments_raise_a_typed_error_naming_the_argument(args, kw, needle)
     n = kw.pop("num_processes", 2)
     with pytest.raises(DistributedError, match=needle):
         launch_local(args, n, **kw)
+
+
+_LISTENING = """
+import os, sys
+from openhosti_jax.mesh import initialize_distributed
+from openhosti_jax.mesh.barrier import gathered
+assert initialize_distributed()
+port = int(os.environ["OPENHOSTI_COORDINATOR"].rsplit(":", 1)[1])
+if os.environ["OPENHOSTI_PROCESS_ID"] == "0":
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in open(table).read().splitlines()[1:]:
+            local, state = row.split()[1], row.split()[3]
+            address, hexport = local.rsplit(":", 1)
+            if state == "0A" and int(hexport, 16) == port:  # LISTEN
+                found.append(address)
+    print("LISTENING", ",".join(sorted(found)))
+gathered("done", 1)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_local_launch_coordinator_listens_on_loopback_only():
+    """Process 0's coordinator of a local launch binds 127.0.0.1 (jax's default is every interface, ``[::]``)."""
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {"PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    rc, out, _ = run(_LISTENING, 2, local_devices=1, env=env, timeout_s=100, kill_grace_s=2)
+    assert rc == 0, out[-3000:]
+    (line,) = [x for x in out.splitlines() if "LISTENING" in x]
+    loopback = {"0100007F", "0000000000000000FFFF00000100007F"}  # 127.0.0.1, plain or IPv4-mapped, as /proc shows it
+    assert set(line.split("LISTENING ")[1].split(",")) <= loopback, out[-3000:]

@@ -55,13 +55,16 @@ except ImportError:  # pragma: no cover - a core dependency; zlib's CRC-32 then
     google_crc32c = None
     _CRC32C = False
 
+from openhosti_jax.checkpoint.trust import file_problem, parse_record, path_problem, sign_record
 from openhosti_jax.errors import CheckpointError
 
 RECORD_PREFIX = "openhosti_checksums"
 LEGACY_RECORD = RECORD_PREFIX + ".json"
 """The single record of a step written before records were per process; still read."""
-_RECORD_RE = re.compile(re.escape(RECORD_PREFIX) + r"\.(\d+)-of-(\d+)\.json$")
-_PROCESS_FILE_RE = re.compile(r"state/array_metadatas/process_(\d+)$")
+_RECORD_RE = re.compile(re.escape(RECORD_PREFIX) + r"\.([0-9]{1,9})-of-([0-9]{1,9})\.json\Z")
+_PROCESS_FILE_RE = re.compile(r"state/array_metadatas/process_([0-9]{1,9})\Z")
+_MAX_RECORD = 1 << 28
+"""A checksum record larger than this (256 MiB) is not read: no step has that many files."""
 _ITEMS = ("state", "data", "meta")
 _CHUNK = 4 << 20
 Box = tuple[tuple[int, int], ...]
@@ -135,6 +138,8 @@ process recorded the step, agreed through the coordinator: with it, that process
 def locally_complete(step_dir: str | os.PathLike[str]) -> bool:
     """Whether a per-process step folder has its process's record and `COMPLETE_MARKER`."""
     step_dir = epath.Path(step_dir)
+    if file_problem(step_dir, COMPLETE_MARKER) is not None:  # missing, or planted as a link or a device
+        return False
     try:
         body = json.loads((step_dir / COMPLETE_MARKER).read_text())
         name = record_name(int(body["process"]), int(body["process_count"]))
@@ -153,8 +158,12 @@ _BUFFERS = threading.local()
 
 
 def _crc_file(
-    path: epath.Path, pace: Callable[[float], None] | None = None, algorithm: str = ALGORITHM
+    path: epath.Path,
+    pace: Callable[[float], None] | None = None,
+    algorithm: str = ALGORITHM,
+    limit: int | None = None,
 ) -> tuple[int, int]:
+    """(size, checksum) of the file; with ``limit`` (the recorded size) reading stops one byte past it."""
     extend = _extender(algorithm)
     buf = getattr(_BUFFERS, "buf", None)
     if buf is None:  # one reused buffer per thread: no fresh pages to fault in for every chunk
@@ -164,11 +173,14 @@ def _crc_file(
         readinto = getattr(f, "readinto", None) if algorithm == "crc32" else None  # crc32c takes bytes only
         while True:
             t0 = time.perf_counter()
+            want = _CHUNK if limit is None else min(_CHUNK, limit + 1 - size)
+            if want <= 0:
+                return size, crc  # longer than recorded: the size says so, nothing more is read
             if readinto is not None:
-                n = readinto(buf)
+                n = readinto(buf[:want])
                 chunk = buf[:n]
             else:
-                chunk = f.read(_CHUNK)
+                chunk = f.read(want)
                 n = len(chunk)
             if not n:
                 return size, crc
@@ -184,13 +196,15 @@ def _crc_many(
     threads: int | None,
     pace: Callable[[float], None] | None = None,
     algorithms: dict[str, str] | None = None,
+    limits: dict[str, int] | None = None,
 ) -> dict[str, tuple[int, int] | None]:
     """``{rel: (size, checksum)}`` of the files, ``None`` for a missing one; largest files first, in parallel.
-    ``algorithms`` gives a file's algorithm when it is not `ALGORITHM`."""
+    ``algorithms`` gives a file's algorithm when it is not `ALGORITHM`, ``limits`` its recorded size (reading stops
+    just past it)."""
 
     def one(rel: str) -> tuple[int, int] | None:
         try:
-            return _crc_file(step_dir / rel, pace, (algorithms or {}).get(rel, ALGORITHM))
+            return _crc_file(step_dir / rel, pace, (algorithms or {}).get(rel, ALGORITHM), (limits or {}).get(rel))
         except FileNotFoundError:
             return None
 
@@ -209,10 +223,13 @@ def _crc_many(
 
 
 def _files_under(root: epath.Path, rel: str) -> list[str]:
+    """Every file under ``root``; a symbolic link is listed, never followed (verification then reports it)."""
     out = []
     for child in root.iterdir():
         name = f"{rel}/{child.name}"
-        out += _files_under(child, name) if child.is_dir() else [name]
+        local = "://" not in os.fspath(child)
+        link = local and os.path.islink(os.fspath(child))
+        out += _files_under(child, name) if child.is_dir() and not link else [name]
     return out
 
 
@@ -268,11 +285,20 @@ class ChunkGrid:
 
 def read_grid(step_dir: str | os.PathLike[str], name: str) -> ChunkGrid | None:
     """The chunk grid of the saved array ``name``, ``None`` if its ``.zarray`` is missing or not zarr v2."""
-    try:
-        meta = json.loads((epath.Path(step_dir) / "state" / name / ".zarray").read_text())
-        return ChunkGrid(tuple(meta["shape"]), tuple(meta["chunks"]), meta.get("dimension_separator") or ".")
-    except (OSError, ValueError, KeyError, TypeError):
+    rel = f"state/{name}/.zarray"
+    if path_problem(rel) is not None or file_problem(step_dir, rel) is not None:
         return None
+    try:
+        if (epath.Path(step_dir) / rel).stat().length > _MAX_RECORD:
+            return None
+        meta = json.loads((epath.Path(step_dir) / rel).read_text())
+        shape, chunks, sep = tuple(meta["shape"]), tuple(meta["chunks"]), meta.get("dimension_separator") or "."
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    ints = all(isinstance(x, int) and not isinstance(x, bool) for x in shape + chunks)
+    if not ints or len(shape) != len(chunks) or min(shape, default=0) < 0 or min(chunks, default=1) < 1:
+        return None  # a .zarray no Orbax wrote: its files are read (and checked) whole
+    return ChunkGrid(shape, chunks, sep if sep in (".", "/") else ".")
 
 
 def _box(index: tuple[Any, ...], shape: tuple[int, ...]) -> Box:
@@ -387,8 +413,10 @@ def record_checksums(
     process_count: int = 1,
     pace: Callable[[float], None] | None = None,
     threads: int | None = None,
+    key: bytes | None = None,
 ) -> dict[str, list[int]]:
-    """Checksum ``files`` (default: every item file) of a committed step; write and return this process's record.
+    """Checksum ``files`` (default: every item file) of a committed step; write and return this process's record
+    (signed with ``key``: `openhosti_jax.checkpoint.trust.sign_record`).
 
     The record ``{relative path: [size, checksum]}`` (by `ALGORITHM`) goes to
     `record_name` ``(process, process_count)``, written
@@ -409,13 +437,17 @@ def record_checksums(
     name = record_name(process, process_count)
     tmp = step_dir / (name + ".tmp")
     body = {"version": 3, "algorithm": ALGORITHM, "process": process, "process_count": process_count, "files": record}
-    tmp.write_text(json.dumps(body))
+    tmp.write_text(json.dumps(sign_record(body, key)))
     tmp.replace(step_dir / name)
     return record
 
 
-def load_records(step_dir: str | os.PathLike[str]) -> tuple[dict[str, list[int]], list[str]]:
-    """(The union of every process's record ``{rel: [size, checksum, algorithm]}``, problems reading them)."""
+def load_records(step_dir: str | os.PathLike[str], key: bytes | None = None) -> tuple[dict[str, list[int]], list[str]]:
+    """(The union of every process's record ``{rel: [size, checksum, algorithm]}``, problems reading them).
+
+    Each record is checked before use (`openhosti_jax.checkpoint.trust.parse_record`: a malformed one, a path
+    that leaves the step, an unknown algorithm, an HMAC that fails with ``key``): a problem names the record.
+    """
     step_dir = epath.Path(step_dir)
     paths = record_files(step_dir)
     if not paths:
@@ -423,12 +455,17 @@ def load_records(step_dir: str | os.PathLike[str]) -> tuple[dict[str, list[int]]
     merged: dict[str, list[int]] = {}
     problems = []
     for path in sorted(paths, key=lambda p: p.name):
+        why = file_problem(step_dir, path.name)
         try:
-            body = json.loads(path.read_text())
-            algorithm = body.get("algorithm", "crc32")  # records before version 3 are zlib's CRC-32
-            merged.update({rel: [*entry[:2], algorithm] for rel, entry in body["files"].items()})
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            problems.append(f"checksum record {path} is unreadable ({type(e).__name__}: {e})")
+            if why is None and path.stat().length > _MAX_RECORD:
+                why = f"is larger than {_MAX_RECORD} bytes"
+            if why is None:
+                entries, why = parse_record(json.loads(path.read_text()), key)
+                merged.update(entries)
+        except (OSError, ValueError, UnicodeDecodeError, RecursionError) as e:
+            why = f"is unreadable ({type(e).__name__}: {str(e)[:200]})"
+        if why is not None:
+            problems.append(f"checksum record {path} {why}")
     if not problems and not (has_checksums(step_dir) or locally_complete(step_dir)):
         problems.append(f"checksum records of {step_dir} are incomplete: {sorted(p.name for p in paths)}")
     return merged, problems
@@ -456,18 +493,21 @@ def verify_checksums(
         on_disk = item_files(step_dir)
         files = sorted(set(record) | set(on_disk))
     rels = sorted(set(files))
+    problems, unsafe = _unsafe(step_dir, rels)
+    rels = [rel for rel in rels if rel not in unsafe]
     unknown = [rel for rel in rels if rel not in record]
     if on_disk is None and unknown:
         unknown = [rel for rel in unknown if (step_dir / rel).exists()]
     algorithms = {rel: entry[2] for rel, entry in record.items() if len(entry) > 2}
-    sums = _crc_many(step_dir, [rel for rel in rels if rel in record], threads, algorithms=algorithms)
-    problems = []
+    limits = {rel: int(entry[0]) for rel, entry in record.items()}
+    sums = _crc_many(step_dir, [rel for rel in rels if rel in record], threads, algorithms=algorithms, limits=limits)
     for rel, got in sorted(sums.items()):
         size, crc = record[rel][:2]
         if got is None:
             problems.append(f"{owner(rel)}: file {rel} is missing")
         elif got[0] != size:
-            problems.append(f"{owner(rel)}: file {rel} has {got[0]} bytes, {size} were written (truncated?)")
+            found = f"more than {size}" if got[0] > size else str(got[0])  # reading stops just past the size
+            problems.append(f"{owner(rel)}: file {rel} has {found} bytes, {size} were written (truncated?)")
         elif got[1] != crc:
             name = algorithms.get(rel, "crc32")
             problems.append(f"{owner(rel)}: file {rel} has checksum {name} {got[1]:#010x} (recorded {crc:#010x})")
@@ -478,8 +518,8 @@ def verify_checksums(
 def check_sizes(step_dir: str | os.PathLike[str], files: Iterable[str], record: dict[str, list[int]]) -> list[str]:
     """The problems a ``stat`` finds (missing, truncated or unrecorded files) without reading any file."""
     step_dir = epath.Path(step_dir)
-    problems = []
-    for rel in sorted(set(files)):
+    problems, unsafe = _unsafe(step_dir, sorted(set(files)))
+    for rel in sorted(set(files) - unsafe):
         try:
             size = (step_dir / rel).stat().length
         except (FileNotFoundError, OSError):
@@ -492,3 +532,18 @@ def check_sizes(step_dir: str | os.PathLike[str], files: Iterable[str], record: 
         elif size != record[rel][0]:
             problems.append(f"{owner(rel)}: file {rel} has {size} bytes, {record[rel][0]} were written (truncated?)")
     return problems
+
+
+def _unsafe(step_dir: epath.Path, rels: list[str]) -> tuple[list[str], set[str]]:
+    """(problems, the paths among ``rels`` that must not be read: not a safe relative path, a symbolic link on the
+    way, outside the step, not a regular file); a missing file is left to the caller."""
+    problems, bad = [], set()
+    for rel in rels:
+        why = path_problem(rel)
+        if why is None:
+            why = file_problem(step_dir, rel)
+            why = None if why == "missing" else why
+        if why is not None:
+            problems.append(f"{owner(rel) if isinstance(rel, str) else 'a file'}: file {str(rel)[:200]!r} {why}")
+            bad.add(rel)
+    return problems, bad

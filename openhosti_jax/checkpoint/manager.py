@@ -69,6 +69,17 @@ from openhosti_jax.checkpoint.checksums import (
     record_files,
     verify_checksums,
 )
+from openhosti_jax.checkpoint.faults import (
+    CheckpointWarning,
+    FailurePolicy,
+    FaultLog,
+    FirstError,
+    checkpoint_bytes,
+    emergency_copy,
+    space_problem,
+    unwritable,
+    write_problem,
+)
 from openhosti_jax.checkpoint.flat import (
     LeafDiff,
     Spec,
@@ -99,8 +110,15 @@ from openhosti_jax.checkpoint.replicate import (
     replicate_step,
     step_folders,
 )
+from openhosti_jax.checkpoint.trust import checkpoint_key, is_step_name
 from openhosti_jax.data.protocol import check_json_state
-from openhosti_jax.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, ConfigError
+from openhosti_jax.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointSaveError,
+    ConfigError,
+)
 from openhosti_jax.mesh.barrier import gathered
 
 _LOG = logging.getLogger(__name__)
@@ -151,7 +169,7 @@ def _is_good(step_dir: epath.Path) -> bool:
 def _good_steps(root: epath.Path) -> list[int]:
     if not root.exists():
         return []
-    return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit() and _is_good(p))
+    return sorted(int(p.name) for p in root.iterdir() if is_step_name(p.name) and _is_good(p))
 
 
 def _read_meta(reader: Any, step: int) -> dict[str, Any]:
@@ -182,6 +200,19 @@ def _problems_of_all(problems: list[str]) -> list[str]:
     return [x if me in ps else f"{x} (found by process {', '.join(map(str, ps))})" for x, ps in found.items()]
 
 
+def _orbax_error(mgr: Any, step: int) -> BaseException | None:
+    """The error Orbax's background save of ``step`` ended with, without raising it (Orbax raises it once per
+    thread at its next call, which `CheckpointManager._settle` takes on the training thread)."""
+    ref = getattr(mgr, "_finalize_thread", None)  # no public accessor in orbax 0.12
+    thread = ref.get() if ref is not None else None
+    if thread is None or getattr(thread, "step", lambda: None)() != step:
+        return None
+    deadline = time.monotonic() + 60.0
+    while thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(_POLL_S)
+    return getattr(thread, "exception", None)
+
+
 def _mesh_shape(state: Any) -> dict[str, int] | None:
     for leaf in jax.tree.leaves(state):
         sharding = getattr(leaf, "sharding", None)
@@ -204,6 +235,14 @@ class CheckpointManager:
         shared: whether every process's ``directory`` is one shared folder; ``None`` finds out (each process
             writes a token there and looks for the others', through the coordinator). ``False``: each process
             keeps its own shards in its own directory (`openhosti_jax.checkpoint.local`).
+        max_failures, low_space: the `openhosti_jax.checkpoint.faults.FailurePolicy`: stop after this many saves
+            in a row failed (``None``: never), and what a disk without room for two checkpoints gets.
+        key: an HMAC-SHA256 key for the checksum records (default ``$OPENHOSTI_CHECKPOINT_KEY``): a record that
+            fails it is corrupt (tamper evidence; without a key the CRCs catch accidents, not tampering).
+
+    The directory is created and written to at construction (`CheckpointSaveError` if it cannot be), and again
+    before every save. A failed save is said at once (a log line and a `CheckpointWarning` naming the step, the
+    path, the cause and the fix), counted in `faults`, never counts as a good step and never deletes one.
     """
 
     def __init__(
@@ -218,11 +257,20 @@ class CheckpointManager:
         agree_every: int = 10,
         clock: Callable[[], float] = time.monotonic,
         shared: bool | None = None,
+        max_failures: int | None = 3,
+        low_space: str = "error",
+        key: str | bytes | None = None,
     ) -> None:
         self.policy = SavePolicy(every_minutes=every_minutes, every_steps=every_steps, keep=keep)
         if not (isinstance(agree_every, int) and agree_every >= 1):
             raise ConfigError(f"expected agree_every to be an int >= 1, found {agree_every!r}")
+        self._key = checkpoint_key(key)
+        self.faults = FaultLog(FailurePolicy(max_consecutive=max_failures, low_space=low_space))
+        """The failed saves (``faults.count`` is the ``checkpoint_failures`` the `Trainer` logs)."""
         self.directory = epath.Path(directory)
+        problem = self._agreed_problem("checkpoint-preflight", write_problem(self.directory))
+        if problem is not None:  # before any training is spent
+            raise unwritable(self.directory, problem)
         self.replicate_to = None if replicate_to is None else os.fspath(replicate_to)
         if self.replicate_to is not None:
             replica_reachable(self.replicate_to)  # credentials that do not work fail now, not at the first save
@@ -234,7 +282,11 @@ class CheckpointManager:
         self._found_here = False  # this process found a problem in the step being restored
         self._mgr = _orbax_manager(self.directory, async_save=async_save, read_only=False, shared=self.shared)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="openhosti-checkpoint")
-        self._pending: list[Future[None]] = []
+        self._pending: list[tuple[int, Future[None]]] = []
+        self._in_flight: int | None = None  # the step Orbax is writing (its errors surface at the next call)
+        self._space_checked = False
+        self.stopped: CheckpointSaveError | None = None
+        """The error that stopped the run (`FailurePolicy.max_consecutive` failed saves in a row), or None."""
         self._replicator = ThreadPoolExecutor(max_workers=1, thread_name_prefix="openhosti-replicate")
         self._replicating: list[Future[None]] = []
         self._to_copy: set[int] = set()
@@ -286,12 +338,34 @@ class CheckpointManager:
 
         ``data_state`` is the iterator's `get_state()`; ``meta`` any JSON-able dict (e.g. ``{"plan": ...}``).
         After a signal-triggered save this waits for the commit and sets `preempted`.
+
+        A save that fails is said at once and returns False (training goes on; the last good step stays);
+        after ``max_failures`` failures in a row, or when the save a signal asked for fails, this makes one last
+        attempt to save to the replica and raises `CheckpointSaveError` (a signal's save that reached the replica
+        sets `preempted` instead).
         """
         step = int(step)
         scheduled, signalled = self._decide(step)
-        if not (force or scheduled):
+        if not (force or scheduled) or self.stopped is not None:
             return False
         if step in self._started or step in self.good_steps():
+            return False
+        if data_state is not None:
+            check_json_state(data_state, "CheckpointManager.maybe_save(data_state=...)")
+        try:
+            json.dumps(meta or {})
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"expected meta to be a JSON-able dict, found {meta!r}: {e}") from e
+        self._settle()  # the previous save's outcome is known before this one is decided
+        if not self._space_checked:
+            self.check_space(state)
+        if self.faults.must_stop(self._agreed_max(self.faults.consecutive)):
+            self._give_up(step, state, data_state, meta, self.faults.failures[-1].error, signalled=signalled)
+        problem = self._agreed_problem(f"checkpoint-probe-{step}", write_problem(self.directory))
+        if problem is not None:  # a directory that turned read-only or full fails here, not in Orbax's threads
+            error = self._save_failed(step, problem)
+            if signalled or self.faults.must_stop():
+                self._give_up(step, state, data_state, meta, error, signalled=signalled)
             return False
         self._excluded.discard(step)
         stale = self.directory / str(step)
@@ -304,12 +378,33 @@ class CheckpointManager:
                     record.unlink(missing_ok=True)
                 stale.rmtree(missing_ok=True)
                 self._mgr.reload()
-        if data_state is not None:
-            check_json_state(data_state, "CheckpointManager.maybe_save(data_state=...)")
+        args, arrays = self._save_args(step, state, data_state, meta)
+        self._copy_ok.clear()  # the replica's copy threads start no new file while Orbax copies off the devices
         try:
-            json.dumps(meta or {})
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"expected meta to be a JSON-able dict, found {meta!r}: {e}") from e
+            self._mgr.save(step, args=args, force=True)
+        except Exception as e:  # noqa: BLE001 - said and counted; the policy decides what follows
+            error = self._save_failed(step, e)
+            if signalled or self.faults.must_stop():
+                self._give_up(step, state, data_state, meta, error, signalled=signalled)
+            return False
+        finally:
+            self._copy_ok.set()
+        self._started.add(step)
+        self._in_flight = step
+        self._last_save = self._clock()
+        self._pending.append((step, self._worker.submit(self._finish, step, arrays)))
+        if signalled:  # within the grace period: the local tier; the replica follows if time allows
+            try:
+                self.wait(replicas=False)
+            except CheckpointSaveError as e:
+                self._give_up(step, state, data_state, meta, e, signalled=True)
+            self._signal, self.preempted = None, True
+        return True
+
+    def _save_args(
+        self, step: int, state: Any, data_state: dict[str, Any] | None, meta: dict[str, Any] | None
+    ) -> tuple[Any, dict[str, tuple[tuple[int, ...], Any]]]:
+        """(Orbax's save arguments for the step, ``{name: (shape, sharding)}`` of its arrays)."""
         flat, key_impls = flatten_state(state)
         # who writes which chunk file follows from each array's sharding (see checksums.files_written_by)
         arrays = {name: (tuple(x.shape), x.sharding) for name, x in flat.items() if isinstance(x, jax.Array)}
@@ -328,48 +423,182 @@ class CheckpointManager:
             data=ocp.args.JsonSave({"data_state": data_state}),
             meta=ocp.args.JsonSave({"user": meta or {}, "openhosti": info}),
         )
-        self._copy_ok.clear()  # the replica's copy threads start no new file while Orbax copies off the devices
+        return args, arrays
+
+    # -- failures ----------------------------------------------------------------------------------------
+
+    def check_space(self, state: Any) -> None:
+        """Compare the directory's free space with two checkpoints of ``state`` (bytes this host writes, from the
+        shardings): too little is a `CheckpointSaveError` (``low_space="error"``) or a `CheckpointWarning`
+        (``"warn"``). The `Trainer` calls it before the first step; the first save calls it otherwise."""
+        self._space_checked = True
+        if self.faults.policy.low_space == "ignore":
+            return
+        found = space_problem(self.directory, checkpoint_bytes(state, whole=self.shared))
+        problem = self._agreed_problem("checkpoint-space", found)
+        if problem is None:
+            return
+        if self.faults.policy.low_space == "warn":
+            warnings.warn(problem, CheckpointWarning, stacklevel=2)
+            return
+        raise CheckpointSaveError(problem + ". Nothing was trained yet", step=None, path=os.fspath(self.directory))
+
+    def _agreed_problem(self, name: str, problem: str | None) -> str | None:
+        """``problem`` on one process, else every process's, the same on all (each names the process)."""
+        if jax.process_count() == 1:
+            return problem
+        found = [f"process {p}: {x}" for p, x in enumerate(gathered(name, problem, timeout_s=_RECORDS_TIMEOUT_S)) if x]
+        return "; ".join(found) or None
+
+    def _agreed_max(self, value: int) -> int:
+        """The largest ``value`` of all processes (failures in a row: every process stops at the same save)."""
+        if jax.process_count() == 1:
+            return value
+        return max(gathered("checkpoint-failures", value, timeout_s=_RECORDS_TIMEOUT_S))
+
+    def _settle(self) -> None:
+        """Wait for Orbax's write of the step in flight (as its next save would) and count its failure here, not
+        raised raw at some later call: an Orbax error, or no committed folder."""
+        step, self._in_flight = self._in_flight, None
         try:
-            self._mgr.save(step, args=args, force=True)
+            self._mgr.wait_until_finished()
+        except Exception as e:  # noqa: BLE001 - the step Orbax was writing failed
+            if step is not None:
+                self._save_failed(step, e)
+            return
+        primary = not self.shared or jax.process_index() == 0  # another process renames a shared step's folder
+        if (
+            step is not None
+            and primary
+            and not (self.directory / str(step)).exists()
+            and not self.faults.has_failed(step)
+        ):
+            self._save_failed(step, "its save did not commit (no step folder after Orbax finished)")
+
+    def _save_failed(self, step: int, cause: BaseException | str) -> CheckpointSaveError:
+        """Count and say the failed save of ``step``; remove what it left (its own folder only, never a good
+        step). Returns its error (the one counted first, when the step had already failed)."""
+        path = self.directory / str(step)
+        error = self.faults.failed(step, path, cause, last_good=self.latest_good_step())
+        if error is None:
+            error = next(f.error for f in self.faults.failures if f.step == step)
+        if self.shared and jax.process_index() != 0:
+            return error
+        for leftover in (self.directory / f"{step}.orbax-checkpoint-tmp", path):
+            try:
+                if leftover.exists() and not _is_good(leftover):
+                    leftover.rmtree(missing_ok=True)
+            except OSError:
+                pass  # a read-only directory keeps it; the next start's clean-up or save removes it
+        return error
+
+    def _give_up(
+        self,
+        step: int,
+        state: Any,
+        data_state: dict[str, Any] | None,
+        meta: dict[str, Any] | None,
+        error: CheckpointSaveError,
+        *,
+        signalled: bool,
+    ) -> None:
+        """The policy says stop (or a signal's save failed): one last attempt to save ``step`` to the replica,
+        then raise ``error`` with what became of it (a signal's save that reached the replica returns)."""
+        if self.replicate_to is None:
+            error.add_note(f"no replica is configured (replicate_to=), so step {step} was saved nowhere")
+        else:
+            why = self.save_to_replica(step, state, data_state=data_state, meta=meta)
+            if why is None:
+                note = f"step {step} was saved to the replica {self.replicate_to} instead (restore fetches it)"
+                if signalled:
+                    warnings.warn(f"{error}; {note}", CheckpointWarning, stacklevel=3)
+                    self._signal, self.preempted = None, True
+                    self.faults.mark_raised(error)
+                    return
+                error.add_note(note)
+            else:
+                error.add_note(f"the last attempt to save step {step} to the replica {self.replicate_to} failed: {why}")
+        self.stopped = error
+        self.faults.mark_raised(error)
+        raise error
+
+    def save_to_replica(
+        self,
+        step: int,
+        state: Any,
+        *,
+        data_state: dict[str, Any] | None = None,
+        meta: dict[str, Any] | None = None,
+    ) -> str | None:
+        """Save ``step`` straight to ``replicate_to``, through a temporary folder off the checkpoint directory
+        (which cannot be written); None when it is there, else what failed (one process only: with several, the
+        replica's steps are written share by share from the local tier)."""
+        if self.replicate_to is None:
+            return "no replica is configured"
+        if jax.process_count() > 1:
+            return "an emergency copy is made by single-process runs only"
+        args, _ = self._save_args(int(step), state, data_state, meta)
+
+        def save(folder: epath.Path) -> epath.Path:
+            mgr = _orbax_manager(folder, async_save=False, read_only=False)
+            try:
+                mgr.save(int(step), args=args, force=True)
+                mgr.wait_until_finished()
+            finally:
+                mgr.close()
+            return folder / str(int(step))
+
+        with self._copy_lock:  # the background copies then skip older steps
+            self._to_copy.add(int(step))
+        try:
+            return emergency_copy(int(step), self.replicate_to, save, keep=self.policy.keep, key=self._key)
         finally:
-            self._copy_ok.set()
-        self._started.add(step)
-        self._last_save = self._clock()
-        self._pending.append(self._worker.submit(self._finish, step, arrays))
-        if signalled:  # within the grace period: the local tier; the replica follows if time allows
-            self.wait(replicas=False)
-            self._signal, self.preempted = None, True
+            with self._copy_lock:
+                self._to_copy.discard(int(step))
+
+    def _committed(self, step: int, path: epath.Path) -> bool:
+        """Background: wait until Orbax committed ``step`` (True) or gave up on it (False: counted and said now,
+        with Orbax's error when it is there)."""
+        while not path.exists():
+            if not self._mgr.is_saving_in_progress() and not path.exists():
+                self._save_failed(step, _orbax_error(self._mgr, step) or "its save did not commit")
+                return False
+            time.sleep(_POLL_S)
         return True
 
     def _finish(self, step: int, arrays: dict[str, tuple[tuple[int, ...], Any]]) -> None:
-        """Background: wait for the commit, checksum this process's files; process 0 then waits for every
-        process's record and copies the step to the replica (per-process directories: `_finish_own`)."""
+        """Background: wait for the commit, checksum this process's files; with several processes they agree that
+        every one recorded its part (a step is good only then); process 0 then copies the step to the replica
+        (per-process directories: `_finish_own`)."""
         path = self.directory / str(step)
-        committed = True
-        while not path.exists():
-            if not self._mgr.is_saving_in_progress() and not path.exists():
-                committed = False  # the save failed; Orbax reports it from wait()
-                break
-            time.sleep(_POLL_S)
+        committed = self._committed(step, path)
         if not self.shared:
             self._finish_own(step, path, arrays, committed)
             return
-        if not committed:
-            return
         me, count = jax.process_index(), jax.process_count()
-        files = files_written_by(path, arrays, me)
-        record_checksums(path, files, process=me, process_count=count, pace=self._pace, threads=self._threads)
+        problem = None if committed else "its save did not commit"
+        if committed:
+            try:
+                files = files_written_by(path, arrays, me)
+                record_checksums(
+                    path, files, process=me, process_count=count, pace=self._pace, threads=self._threads, key=self._key
+                )
+            except (OSError, CheckpointError) as e:  # e.g. the disk filled up after the commit
+                problem = str(self._save_failed(step, e))
+        if count > 1:  # every process learns whether all recorded their part (a failed one writes no file)
+            verdicts = gathered(f"checkpoint-saved-{step}", problem, timeout_s=_RECORDS_TIMEOUT_S)
+            failed = [f"process {p}: {v}" for p, v in enumerate(verdicts) if v]
+            if failed:
+                self._save_failed(step, "not every process recorded its part: " + "; ".join(failed)[:1000])
+                return
+        if problem is not None:
+            return
+        if me == 0 and not has_checksums(path):
+            self._save_failed(step, f"the checksum records of processes {missing_records(path, count)} are missing")
+            return
+        self.faults.succeeded(step)
         if me != 0:
             return
-        deadline = time.monotonic() + _RECORDS_TIMEOUT_S
-        while not has_checksums(path):
-            if time.monotonic() > deadline:
-                raise CheckpointError(
-                    f"expected the checksum records of all {count} processes in {path} within "
-                    f"{_RECORDS_TIMEOUT_S:.0f} s, found none from processes {missing_records(path, count)}; "
-                    "the step does not count as good: check that every process calls maybe_save and wait"
-                )
-            time.sleep(_POLL_S)
         if self.replicate_to is not None:  # on its own thread: neither training nor a local save waits for it
             with self._copy_lock:
                 self._to_copy.add(step)  # kept by _rotate until its copy is done
@@ -387,19 +616,31 @@ class CheckpointManager:
         if committed:
             try:
                 record = record_checksums(
-                    path, item_files(path), process=me, process_count=count, pace=self._pace, threads=self._threads
+                    path,
+                    item_files(path),
+                    process=me,
+                    process_count=count,
+                    pace=self._pace,
+                    threads=self._threads,
+                    key=self._key,
                 )
-            except CheckpointError as e:
-                problem = str(e)
+            except (OSError, CheckpointError) as e:
+                problem = str(self._save_failed(step, e))
         verdicts = gathered(f"checkpoint-saved-{step}", problem, timeout_s=_RECORDS_TIMEOUT_S)
         failed = {p: v for p, v in enumerate(verdicts) if v}
-        if failed:
-            raise CheckpointError(
-                f"expected every process to record checkpoint step {step} in its own directory, found "
-                + "; ".join(f"process {p}: {v}" for p, v in failed.items())
-                + "; the step is good on no process (an earlier good step stays the one to resume from)"
+        if failed:  # every process counts the same failure: the step is good on none
+            self._save_failed(
+                step,
+                "not every process recorded it in its own directory: "
+                + "; ".join(f"process {p}: {v}" for p, v in failed.items())[:1000],
             )
-        mark_complete(path, me, count)
+            return
+        try:
+            mark_complete(path, me, count)
+        except OSError as e:
+            self._save_failed(step, e)
+            return
+        self.faults.succeeded(step)
         if self.replicate_to is not None:
             share = replica_share(path, arrays, me, sorted(record))
             with self._copy_lock:
@@ -417,8 +658,8 @@ class CheckpointManager:
         self._excluded = {s for s in mine if s not in agreed}
         if not agreed or agreed[0] in mine:
             return None
-        fetch_step(self.replicate_to, agreed[0], self.directory)
-        self._mgr.reload()
+        if not self._fetch(agreed[0]):
+            return None  # restore fetches it again, and falls back with the others when it fails there too
         return agreed[0]
 
     def _fetch_newer_replica(self) -> int | None:
@@ -427,12 +668,26 @@ class CheckpointManager:
         survives through the local path it already takes."""
         remote = replica_steps(self.replicate_to)
         local = _good_steps(self.directory)
-        if not remote or (local and local[-1] >= remote[-1]):
-            return None
-        self.directory.mkdir(parents=True, exist_ok=True)
-        fetch_step(self.replicate_to, remote[-1], self.directory)
+        for step in reversed(remote):  # newest first; one that cannot be fetched (a planted key) is skipped
+            if local and local[-1] >= step:
+                return None
+            if self._fetch(step):
+                return step
+        return None
+
+    def _fetch(self, step: int) -> bool:
+        """Fetch the replica's ``step`` onto the local tier; False (with a warning naming why) when it fails."""
+        try:
+            fetch_step(self.replicate_to, step, self.directory)
+        except Exception as e:  # noqa: BLE001 - a corrupt or unreachable replica step: resume from another one
+            warnings.warn(
+                f"could not fetch checkpoint step {step} from {self.replicate_to}: {type(e).__name__}: {str(e)[:500]}",
+                CheckpointWarning,
+                stacklevel=3,
+            )
+            return False
         self._mgr.reload()
-        return remote[-1]
+        return True
 
     def _replicate(self, path: epath.Path, committed_at: float, share: list[str] | None = None) -> None:
         """Background: copy the step to the replica (``share``: this process's part of it, per-process directories);
@@ -458,6 +713,7 @@ class CheckpointManager:
                     unrecorded=extra,
                     before_commit=all_uploaded,
                     gate=self._gate,
+                    key=self._key,
                 )
                 if not committed:
                     raise CheckpointError(
@@ -517,7 +773,7 @@ class CheckpointManager:
         drop |= {
             int(p.name)
             for p in self.directory.iterdir()
-            if p.name.isdigit() and int(p.name) < good[-1] and (not _is_good(p) or int(p.name) in self._excluded)
+            if is_step_name(p.name) and int(p.name) < good[-1] and (not _is_good(p) or int(p.name) in self._excluded)
         }
         with self._copy_lock:
             drop -= self._to_copy  # a step still being copied to the replica goes at a later rotation
@@ -563,19 +819,29 @@ class CheckpointManager:
 
     def wait(self, *, replicas: bool = True) -> None:
         """Block until every started save is committed and checksummed (process 0: by every process) and, with
-        ``replicas``, copied to the replica (a preemption's save waits only for the local tier)."""
+        ``replicas``, copied to the replica (a preemption's save waits only for the local tier).
+
+        Raises `CheckpointSaveError` when the newest save failed (it was said and counted when it did; each
+        failure is raised once): the latest state is then not checkpointed.
+        """
         self._hurry.set()
         try:
-            self._mgr.wait_until_finished()
+            self._settle()
             pending, self._pending = self._pending, []
-            for f in pending:
-                f.result()
+            for step, f in pending:
+                try:
+                    f.result()
+                except Exception as e:  # noqa: BLE001 - a save whose background part raised did not complete
+                    self._save_failed(step, e)
             if replicas:
                 copying, self._replicating = self._replicating, []
                 for f in copying:
                     f.result()
         finally:
             self._hurry.clear()
+        error = self.faults.unraised_latest()
+        if error is not None:
+            raise error
 
     def save_on_signal(self, signals: tuple[int, ...] = (signal.SIGTERM,)) -> None:
         """On any of ``signals``, force a save at the next `maybe_save` call (the next step boundary).
@@ -609,7 +875,9 @@ class CheckpointManager:
 
         Checks every file of the step (all processes' records), ``threads`` files at a time.
         """
-        return verify_checksums(self.directory / str(int(step)), threads=self._threads)
+        step_dir = self.directory / str(int(step))
+        record, problems = load_records(step_dir, self._key)
+        return problems or verify_checksums(step_dir, record=record, threads=self._threads)
 
     def restore(
         self, abstract_state: Any, step: int | None = None, *, partial: bool = False, verify: bool = True
@@ -723,7 +991,7 @@ class CheckpointManager:
         if not self.directory.exists():
             found.append(f"{self.directory} does not exist")
         else:
-            folders = sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit())
+            folders = sorted(int(p.name) for p in self.directory.iterdir() if is_step_name(p.name))
             found.append(
                 f"{self.directory} has step folders {folders} but none has all its checksum records (saves that "
                 "never finished)"
@@ -767,10 +1035,11 @@ class CheckpointManager:
         ``meta`` item before the arrays are verified, so a changed model never reads as a corrupt checkpoint.
         """
         step_dir = root / str(step)
-        record, problems = load_records(step_dir) if verify else ({}, [])
+        record, problems = load_records(step_dir, self._key) if verify else ({}, [])
         meta: dict[str, Any] = {}
-        if not problems and verify:
-            problems = verify_checksums(step_dir, [r for r in record if r.startswith("meta/")], record=record)
+        if not problems and verify:  # every meta file, recorded or not (one the record does not list is refused)
+            metas = {r for r in set(record) | set(item_files(step_dir)) if r.startswith("meta/")}
+            problems = verify_checksums(step_dir, sorted(metas), record=record)
         problems = self._agree_problems(problems)  # every process passes the same ones (each call an exchange)
         if problems:
             return problems, meta, None
@@ -893,20 +1162,27 @@ class CheckpointManager:
     # -- lifetime --------------------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Wait for pending saves, stop the background worker, give the signal handlers back."""
-        try:
-            self.wait()
-        finally:
-            self._worker.shutdown(wait=True)
-            self._replicator.shutdown(wait=True)
-            self._verifier.shutdown(wait=True)
-            self._mgr.close()
-            for sig, old in self._old_handlers.items():
-                signal.signal(sig, old)
-            self._old_handlers.clear()
+        """Wait for pending saves, stop the background workers, give the signal handlers back. Raises the first
+        error met (the others are its notes): `CheckpointSaveError` when the newest save failed and was not
+        raised yet."""
+        first = FirstError()
+        first.run(self.wait)
+        first.run(lambda: self._worker.shutdown(wait=True))
+        first.run(lambda: self._replicator.shutdown(wait=True))
+        first.run(lambda: self._verifier.shutdown(wait=True))
+        first.run(self._mgr.close)
+        for sig, old in self._old_handlers.items():
+            first.run(lambda sig=sig, old=old: signal.signal(sig, old))
+        self._old_handlers.clear()
+        first.raise_first()
 
     def __enter__(self) -> CheckpointManager:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: object, error: object, tb: object) -> None:
+        try:
+            self.close()
+        except Exception as e:
+            if not isinstance(error, BaseException):
+                raise
+            error.add_note(f"while closing the checkpoint manager: {type(e).__name__}: {str(e)[:500]}")

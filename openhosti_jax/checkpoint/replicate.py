@@ -29,12 +29,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from openhosti_jax.checkpoint.checksums import is_record, record_name, records_complete
-from openhosti_jax.errors import CheckpointError, ConfigError
+from openhosti_jax.checkpoint.trust import is_step_name, path_problem, sign_record
+from openhosti_jax.errors import CheckpointCorruptError, CheckpointError, ConfigError
 
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
 
@@ -70,7 +72,7 @@ def step_folders(dest: str | os.PathLike[str]) -> list[int] | None:
     fs, root = replica_fs(dest)
     if not fs.exists(root):
         return None
-    return sorted(int(n) for n in _names(fs, root) if n.isdigit() and fs.isdir(f"{root}/{n}"))
+    return sorted(int(n) for n in _names(fs, root) if is_step_name(n) and fs.isdir(f"{root}/{n}"))
 
 
 def replica_steps(dest: str | os.PathLike[str]) -> list[int]:
@@ -81,31 +83,65 @@ def replica_steps(dest: str | os.PathLike[str]) -> list[int]:
 
 def replica_reachable(dest: str | os.PathLike[str]) -> None:
     """Write, read and delete a probe under ``dest`` so that credentials or an endpoint that do not work are
-    reported before training starts, not at the first save (`ConfigError` saying what failed)."""
+    reported before training starts, not at the first save (`ConfigError` saying what failed). An object store's
+    bucket must exist already: it is never created here (a typo would otherwise make a new bucket)."""
     fs, root = replica_fs(dest)
+    url = os.fspath(dest)
     probe = f"{root}/.openhosti-probe-{os.getpid()}"
     problem, cause = None, None
+    protocols = fs.protocol if isinstance(fs.protocol, tuple | list) else (fs.protocol,)
+    bucket = root.strip("/").split("/", 1)[0] if set(protocols) & set(_EXTRAS) else None
     try:
+        if bucket is not None and not _bucket_exists(fs, bucket):
+            raise ConfigError(
+                f"replicate_to={url!r}: expected the bucket {bucket!r} to exist, found no such bucket (or none these "
+                f"credentials may see); create it first (`aws s3 mb s3://{bucket}`, `gcloud storage buckets create "
+                f"gs://{bucket}`) or fix the name"
+            )
         fs.makedirs(root, exist_ok=True)
         fs.pipe_file(probe, b"ok")
         if fs.cat_file(probe) != b"ok":
             problem = "a probe that read back differently"
         fs.rm_file(probe)
+    except ConfigError:
+        raise
+    except PermissionError as e:
+        problem, cause = f"the store refused these credentials ({type(e).__name__}: {str(e)[:300]})", e
     except Exception as e:  # noqa: BLE001 - any client failure (credentials, endpoint, permissions) is said once
         problem, cause = f"{type(e).__name__}: {str(e)[:300]}", e
     if problem is not None:
         raise ConfigError(
-            f"replicate_to={os.fspath(dest)!r}: expected a location this process can write, read and delete in, "
-            f"found {problem}; check the credentials, endpoint and bucket"
+            f"replicate_to={url!r}: expected a location this process can write, read and delete in, "
+            f"found {problem}; check the credentials (AWS_ACCESS_KEY_ID / AWS_PROFILE, "
+            "GOOGLE_APPLICATION_CREDENTIALS), the endpoint and the bucket"
         ) from cause
 
 
+def _bucket_exists(fs: Any, bucket: str) -> bool:
+    """Whether the object store has ``bucket``; a refusal (`PermissionError`: the credentials) is raised."""
+    try:
+        fs.info(bucket)
+    except FileNotFoundError:
+        return False
+    return True
+
+
 def _local_files(root: str) -> list[str]:
-    """Every file under the local folder ``root``, relative to it (``/``-separated)."""
-    out = []
-    for folder, _, files in os.walk(root):
+    """Every file under the local folder ``root``, relative to it (``/``-separated). A symbolic link is never
+    followed: a step folder holding one is not uploaded (`CheckpointCorruptError` naming it), so no byte from
+    outside the step reaches the replica."""
+    out, links = [], []
+    for folder, dirs, files in os.walk(root):
         rel = os.path.relpath(folder, root)
+        for name in dirs + files:
+            if os.path.islink(os.path.join(folder, name)):
+                links.append(name if rel == "." else f"{rel}/{name}".replace(os.sep, "/"))
         out += [f if rel == "." else f"{rel}/{f}".replace(os.sep, "/") for f in files]
+    if links:
+        raise CheckpointCorruptError(
+            f"expected only files and folders in the step {root}, found symbolic links {sorted(links)[:5]}; the step "
+            "is not copied to the replica (Orbax writes no links: something else put them there)"
+        )
     return sorted(out)
 
 
@@ -158,6 +194,7 @@ def replicate_files(
     before_commit: Callable[[bool], bool] = lambda uploaded: uploaded,
     threads: int = 8,
     gate: Callable[[], object] | None = None,
+    key: bytes | None = None,
 ) -> bool:
     """Upload process ``process``'s share ``files`` (relative to its local ``step_dir``) into ``dest/<step>``,
     with the ``unrecorded`` files no record covers (Orbax's own), then its checksum record of exactly ``files``
@@ -174,6 +211,7 @@ def replicate_files(
     name = record_name(process, process_count)
     with open(os.path.join(step_dir, name)) as f:
         body = json.load(f)
+    _local_files(step_dir)  # refuses a folder with symbolic links
     missing = sorted(set(files) - set(body["files"]))
     if missing:
         raise CheckpointError(
@@ -191,28 +229,50 @@ def replicate_files(
     if not commit:
         return False
     body["files"] = {rel: body["files"][rel] for rel in sorted(files)}
-    fs.pipe_file(f"{final}/{name}", json.dumps(body).encode())
+    fs.pipe_file(f"{final}/{name}", json.dumps(sign_record(body, key)).encode())
     return True
 
 
 def fetch_step(dest: str | os.PathLike[str], step: int, local: str | os.PathLike[str], threads: int = 8) -> str:
     """Copy the complete replica step ``dest/<step>`` into the local directory ``local`` (a machine whose disk was
-    lost gets its tier back) and return its path there. It lands under a temporary name and is renamed when whole
-    (a local rename is atomic), so a fetch cut short never looks like a step."""
+    lost gets its tier back) and return its path there. It lands in a fresh folder (``tempfile.mkdtemp`` inside
+    ``local``) and is renamed when whole (a local rename is atomic), so a fetch cut short never looks like a step.
+
+    Every object key is checked first (`openhosti_jax.checkpoint.trust.path_problem`): a key that would land
+    outside the step (``../``, an absolute path) makes the step corrupt (`CheckpointCorruptError` naming the key)
+    and nothing is written.
+    """
     fs, root = replica_fs(dest)
     src = f"{root}/{int(step)}"
     local = os.fspath(local)
-    final, tmp = os.path.join(local, str(int(step))), os.path.join(local, f"{int(step)}.fetching-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    files = [p[len(src) + 1 :] for p in fs.find(src)]
+    final = os.path.join(local, str(int(step)))
+    files = []
+    for key in fs.find(src):
+        rel = key[len(src) + 1 :] if key.startswith(src + "/") else None
+        why = "is not under the step's prefix" if rel is None else path_problem(rel)
+        if why is None and callable(getattr(fs, "islink", None)) and fs.islink(key):
+            why = "is a symbolic link"
+        if why is not None:
+            raise CheckpointCorruptError(
+                f"expected every object of replica step {src} to be a path inside the step, found the key {key!r}, "
+                f"which {why}; the step is not fetched (someone who can write to the bucket planted it?)"
+            )
+        files.append(rel)
+    os.makedirs(local, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f"{int(step)}.fetching-", dir=local)
 
     def get(rel: str) -> None:
         target = os.path.join(tmp, *rel.split("/"))
         os.makedirs(os.path.dirname(target), exist_ok=True)
         fs.get_file(f"{src}/{rel}", target)
 
-    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-        list(pool.map(get, files))
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+            list(pool.map(get, files))
+        os.chmod(tmp, 0o755)  # private while it is fetched (mkdtemp's 0700), a step folder like any other after
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     shutil.rmtree(final, ignore_errors=True)
     try:
         os.replace(tmp, final)

@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
@@ -46,9 +47,10 @@ def run_with_restarts(
     """
     if not cmd or not all(isinstance(c, str) for c in cmd):
         raise ConfigError(f"expected cmd to be a non-empty list of str, found {cmd!r}")
-    if max_restarts < 0 or backoff_s < 0 or backoff_factor < 1 or max_backoff_s < 0:
+    finite = all(isinstance(x, int | float) and math.isfinite(x) for x in (backoff_s, backoff_factor, max_backoff_s))
+    if not finite or max_restarts < 0 or backoff_s < 0 or backoff_factor < 1 or max_backoff_s < 0:
         raise ConfigError(
-            f"expected max_restarts >= 0, backoff_s >= 0, backoff_factor >= 1, max_backoff_s >= 0; found "
+            f"expected max_restarts >= 0 and finite backoff_s >= 0, backoff_factor >= 1, max_backoff_s >= 0; found "
             f"{max_restarts}, {backoff_s}, {backoff_factor}, {max_backoff_s}"
         )
     if reset_after_s is not None and reset_after_s <= 0:

@@ -52,7 +52,7 @@ def _gather(kind: str, name: str, value: str, timeout_s: float) -> list[str] | N
     client.key_value_set(directory + str(me), value)
     deadline = time.monotonic() + timeout_s
     while True:
-        found = {int(k.rsplit("/", 1)[-1]): v for k, v in client.key_value_dir_get(directory)}
+        found = _entries(kind, name, directory, client.key_value_dir_get(directory), n)
         if len(found) == n:
             return [found[i] for i in range(n)]
         if time.monotonic() > deadline:
@@ -64,6 +64,24 @@ def _gather(kind: str, name: str, value: str, timeout_s: float) -> list[str] | N
                 "logs (a crash, a hang, or a code path that skips this call)"
             )
         time.sleep(_POLL_S)
+
+
+def _entries(kind: str, name: str, directory: str, items: Any, n: int) -> dict[int, str]:
+    """``{process id: value}`` of the key-value store's entries under ``directory``, each checked: the store is
+    shared by every process of the job (and whoever else reaches the coordinator), so a key that is not
+    ``<directory><id>`` for an id below ``n``, or a value that is not a string, is a `DistributedError` naming it."""
+    found: dict[int, str] = {}
+    for item in items:
+        key, value = item if isinstance(item, tuple | list) and len(item) == 2 else (item, None)
+        tail = key[len(directory) :] if isinstance(key, str) and key.startswith(directory) else None
+        if tail is None or not tail.isascii() or not tail.isdigit() or int(tail) >= n or not isinstance(value, str):
+            raise DistributedError(
+                f"{kind} {name!r}: expected the key-value store's entries under {directory!r} to be one per process "
+                f"id 0..{n - 1}, each a string, found the key {str(key)[:200]!r} with the value {repr(value)[:200]}; "
+                "another job on the same coordinator, or someone who reached its port, wrote it"
+            )
+        found[int(tail)] = value
+    return found
 
 
 def barrier(name: str, *, timeout_s: float = 300.0) -> None:
@@ -89,7 +107,18 @@ def gathered(name: str, value: Any, *, timeout_s: float = 300.0) -> list[Any]:
     """
     text = json.dumps(value)
     values = _gather("gathered", name, text, timeout_s)
-    return [json.loads(v) for v in ([text] if values is None else values)]
+    if values is None:
+        return [json.loads(text)]
+    out = []
+    for p, v in enumerate(values):
+        try:
+            out.append(json.loads(v))
+        except ValueError as e:
+            raise DistributedError(
+                f"gathered {name!r}: expected process {p}'s value in the key-value store to be JSON, found "
+                f"{v[:200]!r} ({e}); another job on the same coordinator, or someone who reached its port, wrote it"
+            ) from e
+    return out
 
 
 def agree(name: str, value: str, *, timeout_s: float = 300.0) -> str:

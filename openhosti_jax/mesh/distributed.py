@@ -22,6 +22,12 @@ rank and count come from the first launcher variables present: ``RANK``/``WORLD_
 (an Indexed Kubernetes Job or JobSet, count from ``OPENHOSTI_NUM_PROCESSES``); see ``examples/k8s/jobset.yaml``.
 A launcher saying there is one process (an ``salloc`` shell, ``srun -n1``) is a single-process run.
 
+Process 0's coordinator listens where it is told (`coordinator_bind_address`): the address it advertises (a local
+launch's ``127.0.0.1:PORT``, a cluster's ``host:PORT``), never every interface unless asked
+(``OPENHOSTI_COORDINATOR_BIND=[::]:PORT``). It has no authentication: whoever reaches the port can join as a
+process, read and write the key-value store the processes agree through, and end the job; keep it on the job's
+private network (values read back from the store are still checked: `openhosti_jax.mesh.barrier`).
+
 Example:
     >>> from openhosti_jax.mesh import initialize_distributed
     >>> initialize_distributed()  # a single process with no cluster environment: nothing to do
@@ -36,7 +42,10 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
+import logging
 import os
+import socket
 from collections.abc import Mapping
 
 import jax
@@ -48,6 +57,9 @@ ENV_NUM_PROCESSES = "OPENHOSTI_NUM_PROCESSES"
 ENV_PROCESS_ID = "OPENHOSTI_PROCESS_ID"
 ENV_HEARTBEAT = "OPENHOSTI_HEARTBEAT_TIMEOUT_S"
 """Seconds without a heartbeat after which the coordinator declares a process dead and the others stop."""
+ENV_BIND = "OPENHOSTI_COORDINATOR_BIND"
+"""Where process 0's coordinator listens (``host:port``); default: the address it advertises."""
+_LOG = logging.getLogger(__name__)
 
 _TORCHRUN_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
 """Set by torchrun (and torch.distributed.launch) for every worker."""
@@ -108,6 +120,74 @@ def _int(env: Mapping[str, str], name: str) -> int:
         ) from e
 
 
+def _positive_int(env: Mapping[str, str], name: str) -> int:
+    value = _int(env, name)
+    if value < 1:
+        raise DistributedError(f"expected a positive number of seconds in ${name}, found {env[name]!r}")
+    return value
+
+
+def _split(address: str) -> tuple[str, str]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isascii() or not port.isdigit() or not 0 < int(port) < 65536:
+        raise DistributedError(f"expected a coordinator address host:port (port 1-65535), found {address!r}")
+    return host, port
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def coordinator_bind_address(
+    coordinator_address: str, given: str | None = None, environ: Mapping[str, str] | None = None
+) -> str | None:
+    """Where process 0's coordinator listens: ``given``, else ``$OPENHOSTI_COORDINATOR_BIND`` (or jax's
+    ``$JAX_COORDINATOR_BIND_ADDRESS``), else the address it advertises: an IP address as it is, a host name as the
+    address it resolves to here. None (jax's default: every interface, logged) only for a host name that resolves
+    to nothing but loopback here (an ``/etc/hosts`` entry): binding there would shut the other hosts out.
+
+    Example:
+        >>> coordinator_bind_address("127.0.0.1:1234", environ={})
+        '127.0.0.1:1234'
+        >>> coordinator_bind_address("10.0.0.7:1234", environ={"OPENHOSTI_COORDINATOR_BIND": "[::]:1234"})
+        '[::]:1234'
+    """
+    env = os.environ if environ is None else environ
+    chosen = given or env.get(ENV_BIND) or env.get("JAX_COORDINATOR_BIND_ADDRESS")
+    if chosen:
+        _split(chosen)
+        return chosen
+    host, port = _split(coordinator_address)
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+        return f"{host}:{port}"
+    except ValueError:
+        pass
+    if host == "localhost":
+        return f"127.0.0.1:{port}"
+    try:
+        found = {info[4][0] for info in socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)}
+    except OSError:
+        found = set()
+    usable = sorted(a for a in found if not _is_loopback(a))
+    if usable:
+        address = usable[0]
+        return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+    _LOG.warning(
+        "the coordinator host %r resolves to %s here: process 0's coordinator listens on every interface (port %s); "
+        "set %s=ADDRESS:%s to bind it to the job's network only",
+        host,
+        sorted(found) or "nothing",
+        port,
+        ENV_BIND,
+        port,
+    )
+    return None
+
+
 def detect_launch(environ: Mapping[str, str] | None = None) -> LaunchInfo | None:
     """The launcher of this process as read from ``environ`` (default ``os.environ``), or ``None`` when none is.
 
@@ -147,6 +227,7 @@ def initialize_distributed(
     timeout_s: int = 120,
     heartbeat_timeout_s: int | None = None,
     cpu_collectives: str = "gloo",
+    bind_address: str | None = None,
 ) -> bool:
     """Join the multi-process runtime if this is one process of several; return whether it is now initialised.
 
@@ -154,6 +235,8 @@ def initialize_distributed(
     `jax.distributed.initialize`'s own detection (jax derives the same host and port in every process); TPU pods
     are left to jax entirely. ``heartbeat_timeout_s`` (default ``$OPENHOSTI_HEARTBEAT_TIMEOUT_S``, else jax's
     100 s) bounds how long the others run on after a process dies without closing its connections.
+    ``bind_address`` is where process 0's coordinator listens (`coordinator_bind_address`: by default the
+    address it advertises, e.g. 127.0.0.1 for a local launch, never every interface unless asked).
     Must be called before any other JAX call touches the devices.
     """
     if _is_initialized():
@@ -176,12 +259,17 @@ def initialize_distributed(
             "processes with torchrun, srun, mpirun or an Indexed Job that sets the rank)"
         )
     if heartbeat_timeout_s is None and ENV_HEARTBEAT in os.environ:
-        heartbeat_timeout_s = int(os.environ[ENV_HEARTBEAT])
+        heartbeat_timeout_s = _positive_int(os.environ, ENV_HEARTBEAT)
+    if coordinator_address is None and launcher in ("slurm", "openmpi"):
+        coordinator_address = _derived_coordinator(num_processes, process_id, timeout_s)
+    bind = None if coordinator_address is None else coordinator_bind_address(coordinator_address, bind_address)
     try:
         jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
     except (AttributeError, ValueError):
         pass
     kwargs = {} if heartbeat_timeout_s is None else {"heartbeat_timeout_seconds": heartbeat_timeout_s}
+    if bind is not None:
+        kwargs["coordinator_bind_address"] = bind
     try:
         jax.distributed.initialize(
             coordinator_address=coordinator_address,
@@ -198,3 +286,15 @@ def initialize_distributed(
             f"{ENV_COORDINATOR} as examples/k8s/jobset.yaml does."
         ) from e
     return True
+
+
+def _derived_coordinator(num_processes: int | None, process_id: int | None, timeout_s: int) -> str | None:
+    """The coordinator jax derives for a SLURM step or an Open MPI job (its own rule, so every process gets the same
+    host and port), or None where jax's detection cannot say."""
+    try:
+        from jax._src.clusters import ClusterEnv  # the detection jax.distributed.initialize runs itself
+
+        found = ClusterEnv.auto_detect_unset_distributed_params(None, num_processes, process_id, None, None, timeout_s)
+        return found[0]
+    except Exception:  # noqa: BLE001 - jax then detects it again itself, and binds as it does by default
+        return None

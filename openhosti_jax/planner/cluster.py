@@ -34,6 +34,9 @@ from openhosti_jax.mesh.topology import TpuTarget, is_tpu_target, tpu_target
 from openhosti_jax.planner.profiles import PROFILES, DeviceProfile, all_to_all_seconds, bus_bytes, curve_seconds
 from openhosti_jax.planner.stacks import STACKS, Stack
 
+MAX_DEVICES = 1 << 24
+"""The most devices a `Cluster` may have (16,777,216: far past any cluster built; the search loops over divisors)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Cluster:
@@ -50,6 +53,11 @@ class Cluster:
         if self.hosts < 1 or self.devices_per_host < 1:
             raise PlanningError(
                 f"a cluster needs hosts >= 1 and devices_per_host >= 1; found {self.hosts} x {self.devices_per_host}"
+            )
+        if self.hosts * self.devices_per_host > MAX_DEVICES:
+            raise PlanningError(
+                f"expected a cluster of at most {MAX_DEVICES:,} devices, found {self.hosts:,} x "
+                f"{self.devices_per_host:,}; the planner searches meshes over the device count's divisors"
             )
 
     @property
@@ -131,12 +139,14 @@ def cluster(spec: str | Cluster | TpuTarget, profiles: Mapping[str, DeviceProfil
         except MeshConfigError as e:
             raise PlanningError(str(e)) from e
         return Cluster(profiles[t.profile_name], t.slices, t.chips)
-    gpu = re.fullmatch(r"(?:(\d+)x)?(\d+)x([A-Za-z0-9 ]+)", spec.strip())
+    gpu = re.fullmatch(r"(?:([0-9]{1,12})x)?([0-9]{1,12})x([A-Za-z0-9 ]+)", spec.strip())
     if gpu and gpu[3].lower().replace(" ", "") in names:
         profile = profiles[names[gpu[3].lower().replace(" ", "")]]
         if gpu[1]:
             return Cluster(profile, int(gpu[1]), int(gpu[2]))
         chips = int(gpu[2])
+        if not 1 <= chips <= MAX_DEVICES:
+            raise PlanningError(f"{spec!r}: expected 1..{MAX_DEVICES:,} devices, found {chips:,}")
     else:
         raise PlanningError(
             f"unknown cluster {spec!r}: expected 'NxKIND' (e.g. '64xH100'), 'HOSTSxPER_HOSTxKIND' (e.g. '8x8xH100') "

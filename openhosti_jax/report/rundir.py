@@ -77,18 +77,49 @@ def append_jsonl(run_dir: str | os.PathLike, name: str, record: dict[str, Any]) 
         f.write(json.dumps(record) + "\n")
 
 
+_NUMBERS = ("step", "batch", "loss", "step_time_s", "tokens_per_s", "lr", "skipped_total", "blocking_s")
+"""Fields the figures read as numbers: a record with anything else there was not written by a run."""
+
+
 def _read_jsonl(path: str) -> list[dict[str, Any]]:
+    """Every record of a JSONL file, each a JSON object whose `_NUMBERS` fields are numbers (or null);
+    `ReportError` naming the line of one that is not."""
     if not os.path.exists(path):
         return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    records = []
+    with open(path, errors="replace") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as e:
+                record = e
+            wrong = [
+                k
+                for k in _NUMBERS
+                if isinstance(record, dict)
+                and record.get(k) is not None
+                and (isinstance(record[k], bool) or not isinstance(record[k], int | float))
+            ]
+            if not isinstance(record, dict) or wrong:
+                raise ReportError(
+                    f"expected one JSON object per line in {path} (numbers in {', '.join(wrong) or 'its fields'}), "
+                    f"found at line {n}: {line.strip()[:120]!r}; "
+                    "fix or remove that line (a run cut short can leave half a line at the end)"
+                )
+            records.append(record)
+    return records
 
 
 def _read_json(path: str) -> Any:
     if not os.path.exists(path):
         return None
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path, errors="replace") as f:
+            return json.load(f)
+    except ValueError as e:
+        raise ReportError(f"expected JSON in {path}, found {e}; write it again (`openhosti train --run-dir`)") from e
 
 
 def load_run(run_dir: str | os.PathLike) -> RunData:

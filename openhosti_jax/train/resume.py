@@ -17,11 +17,14 @@ from __future__ import annotations
 import os
 import threading
 import time
+import warnings
 from typing import Any
 
 import jax
 
 from openhosti_jax.checkpoint import CheckpointManager
+from openhosti_jax.checkpoint.faults import CheckpointWarning
+from openhosti_jax.errors import CheckpointSaveError
 from openhosti_jax.state.init import abstract_train_state
 
 
@@ -35,7 +38,10 @@ class TrainerCheckpoint:
 
     ``meta`` (JSON-able, e.g. the plan's decision) is saved with every step; the `Trainer` adds the number of
     batches the data stream has given (``batches``), so a rollback knows where the data was. ``save_times``
-    records ``(step, seconds the training thread was blocked)`` for every save.
+    records ``(step, seconds the training thread was blocked)`` for every save. ``max_failures`` and
+    ``low_space`` are the manager's failure policy (`openhosti_jax.checkpoint.faults.FailurePolicy`): a failed save
+    is said and counted (`failures`, logged as ``checkpoint_failures``) and training goes on, until that many saves
+    in a row failed. ``key`` signs the checksum records (HMAC-SHA256; default ``$OPENHOSTI_CHECKPOINT_KEY``).
     """
 
     def __init__(
@@ -47,6 +53,9 @@ class TrainerCheckpoint:
         keep: int | None = 3,
         replicate_to: str | os.PathLike | None = None,
         meta: dict[str, Any] | None = None,
+        max_failures: int | None = 3,
+        low_space: str = "error",
+        key: str | bytes | None = None,
     ):
         self.manager = CheckpointManager(
             directory,
@@ -54,6 +63,9 @@ class TrainerCheckpoint:
             every_steps=every_steps or None,
             keep=keep,
             replicate_to=replicate_to,
+            max_failures=max_failures,
+            low_space=low_space,
+            key=key,
         )
         self.meta = dict(meta or {})
         self.save_times: list[tuple[int, float]] = []
@@ -78,17 +90,28 @@ class TrainerCheckpoint:
         self.resumed_meta = dict(meta or {})
         return restored
 
+    @property
+    def failures(self) -> int:
+        """Saves that failed so far (``checkpoint_failures`` in the `Trainer`'s records)."""
+        return self.manager.faults.count
+
     def restore_latest(self, state: Any, data_iter: Any) -> Any:
         """The latest good step restored onto ``state``'s shardings (and the iterator moved), else ``state``. With
         ``replicate_to``, the manager has already brought a newer replica step onto the local tier when it started
-        (a machine that lost its local disk resumes from the replica)."""
+        (a machine that lost its local disk resumes from the replica). First the disk's free space is compared
+        with two checkpoints of ``state``, before any step is trained."""
+        self.manager.check_space(state)
         if self.manager.latest_good_step() is None:
             return state
         return self._restore(state, data_iter)
 
     def roll_back(self, state: Any, data_iter: Any) -> Any | None:
         """Like `restore_latest` after waiting for saves in flight; None when there is no good step."""
-        self.manager.wait()
+        try:
+            self.manager.wait()
+        except CheckpointSaveError:
+            pass  # said when it failed: the rollback goes to the last good step
+
         if self.manager.latest_good_step() is None:
             return None
         return self._restore(state, data_iter)
@@ -116,12 +139,39 @@ class TrainerCheckpoint:
         return saved
 
     def finish(self, step: int, state: Any, data_iter: Any, meta: dict[str, Any] | None = None) -> None:
-        """Save the final step (unless already saved), wait for every save to commit, release the manager."""
+        """Save the final step (unless already saved), wait for every save to commit, release the manager.
+
+        When the final save fails, one last attempt saves it to the replica (where one is configured: a
+        `CheckpointWarning` says so when it worked); else `CheckpointSaveError`. After the failure policy stopped the
+        run nothing is saved.
+        """
         try:
-            if step > 0 and jax.tree.leaves(state):
+            if step > 0 and jax.tree.leaves(state) and self.manager.stopped is None:
                 self.save(step, state, data_iter, meta, force=True)
-        finally:
-            self.close()
+                try:
+                    self.manager.wait()
+                except CheckpointSaveError as e:
+                    if self.manager.replicate_to is None:
+                        raise
+                    why = self.manager.save_to_replica(
+                        step, state, data_state=_data_state(data_iter), meta={**self.meta, **(meta or {})}
+                    )
+                    where = self.manager.replicate_to
+                    if why is not None:
+                        e.add_note(f"the last attempt to save step {step} to the replica {where} failed: {why}")
+                        raise
+                    warnings.warn(
+                        f"{e}; the final step {step} was saved to the replica {where} instead",
+                        CheckpointWarning,
+                        stacklevel=2,
+                    )
+        except BaseException as e:
+            try:
+                self.close()
+            except Exception as late:  # noqa: BLE001 - the first error stays the one raised
+                e.add_note(f"then, while closing: {type(late).__name__}: {str(late)[:500]}")
+            raise
+        self.close()
 
     def close(self) -> None:
         """Wait for pending saves and release the manager."""

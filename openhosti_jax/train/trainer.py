@@ -3,7 +3,8 @@
 Metrics stay on the device until the logging interval (``log_every``), a save or the end: the loop never waits for
 a step to finish. Each record then gets its step's metrics, the interval's mean step time, tokens/s, the learning
 rate and the running count of skipped non-finite steps. A step whose update is not finite leaves the state as it
-was (`openhosti_jax.state.guard`) and does not count towards ``num_steps``; a loss spike
+was (`openhosti_jax.state.guard`) and does not count towards ``num_steps``; ``max_nonfinite`` of them in a row end
+the run with `openhosti_jax.errors.NonFiniteError` (naming the step and the last finite loss); a loss spike
 (`openhosti_jax.train.spikes.LossSpikePolicy`) rolls back to the last good checkpoint and skips its batches.
 
 Example:
@@ -35,7 +36,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from openhosti_jax.data.position import CountingIterator, restartable
-from openhosti_jax.errors import ConfigError, StateError
+from openhosti_jax.errors import ConfigError, NonFiniteError, StateError
 from openhosti_jax.sharding.batch import batch_leaves
 from openhosti_jax.state.layout import step_of
 from openhosti_jax.train.metrics import MetricsLog, to_python
@@ -112,6 +113,11 @@ class _Loop:
     skip: set[int] = dataclasses.field(default_factory=set)
     """Batch numbers a rollback skips."""
     rollbacks: int = 0
+    nonfinite_run: int = 0
+    """Non-finite (skipped) steps in a row."""
+    last_finite_loss: float | None = None
+    stop: Exception | None = None
+    """An error that ends the loop once the metrics being written are written."""
     t_flush: float = dataclasses.field(default_factory=time.perf_counter)
     """When the metrics were last fetched (the interval's mean step time starts there)."""
 
@@ -134,6 +140,8 @@ class Trainer:
             jitted under the same plan, without donation.
         spikes: a `LossSpikePolicy`: spikes roll back to the last good checkpoint (needs ``checkpoint``).
         profile: a `ProfileWindow`: a ``jax.profiler`` trace of those steps.
+        max_nonfinite: this many non-finite (skipped) steps in a row stop the run with `NonFiniteError`
+            (``None``: never); a run whose every update is NaN would otherwise never end.
     """
 
     def __init__(
@@ -150,9 +158,14 @@ class Trainer:
         eval_step: Callable[[Any, Any], Any] | None = None,
         spikes: LossSpikePolicy | None = None,
         profile: ProfileWindow | None = None,
+        max_nonfinite: int | None = 100,
     ):
         if log_every < 1:
             raise ConfigError(f"log_every must be >= 1, found {log_every}")
+        if max_nonfinite is not None and (
+            isinstance(max_nonfinite, bool) or not isinstance(max_nonfinite, int) or max_nonfinite < 1
+        ):
+            raise ConfigError(f"expected max_nonfinite to be an int >= 1 or None (never stop), found {max_nonfinite!r}")
         if spikes is not None and checkpoint is None:
             raise ConfigError(
                 "Trainer(spikes=...) rolls back to the last good checkpoint, but no checkpoint was given; pass "
@@ -169,6 +182,7 @@ class Trainer:
         self.eval_step = eval_step
         self.spikes = spikes
         self.profile = profile
+        self.max_nonfinite = max_nonfinite
         self._eval_fn: Callable[[Any, Any], Any] | None = None
 
     # -- description --------------------------------------------------------------------------------------
@@ -288,13 +302,23 @@ class Trainer:
         ``eval_every`` steps and at the end."""
         self._check_eval(eval_data, eval_every)
         loop = self._start(state, data, num_steps)
+        failed: BaseException | None = None
         try:
             while loop.applied + len(loop.pending) < num_steps and self._run_batch(loop, eval_data, eval_every):
                 pass
         except KeyboardInterrupt:
             loop.result.interrupted = True
+        except BaseException as e:
+            failed = e
+            raise
         finally:
-            self._close(loop)
+            try:
+                self._close(loop)
+            except Exception as late:
+                if failed is None:
+                    raise
+                # the error that stopped the loop stays the one raised (a failing save at the end is its note)
+                failed.add_note(f"then, while closing: {type(late).__name__}: {str(late)[:500]}")
         result = loop.result
         if (
             eval_data is not None
@@ -390,14 +414,22 @@ class Trainer:
         loop.pending.clear()
         loop.bar.n = loop.applied  # skipped steps were counted when dispatched
         loop.bar.refresh()
+        if loop.stop is not None:
+            stop, loop.stop = loop.stop, None
+            raise stop
         return False
 
     def _record(self, loop: _Loop, p: _Pending, metrics: Any, skipped: bool, dt: float, last: bool) -> None:
         """Count one fetched step (applied, or skipped as non-finite) and write its record."""
         if skipped:
             loop.result.skipped_nonfinite += 1
+            loop.nonfinite_run += 1
         else:
             loop.applied += 1
+            loop.nonfinite_run = 0
+            loss = metrics.get("loss") if isinstance(metrics, dict) else None
+            if isinstance(loss, float) and np.isfinite(loss):
+                loop.last_finite_loss = loss
         record = {
             "step": loop.applied,
             "batch": p.batch,
@@ -406,12 +438,23 @@ class Trainer:
             "tokens_per_s": p.tokens / dt if dt else None,
             "skipped_total": loop.result.skipped_nonfinite,
         }
+        failures = getattr(self.checkpoint, "failures", None)
+        if isinstance(failures, int):
+            record["checkpoint_failures"] = failures
         lr = self._learning_rate(loop.state, loop.applied, last=last)
         if lr is not None:
             record["lr"] = lr
         loop.result.history.append(record)
         for w in loop.writers:
             w.write(record)
+        if self.max_nonfinite is not None and loop.nonfinite_run == self.max_nonfinite:
+            last = "none yet" if loop.last_finite_loss is None else f"{loop.last_finite_loss:.6g}"
+            loop.stop = NonFiniteError(
+                f"expected training to make progress, found {loop.nonfinite_run} steps in a row whose update was not "
+                f"finite (skipped, the state kept as it was), the last at batch {p.batch} (step {loop.applied}; last "
+                f"finite loss: {last}); lower the learning rate, check the data for NaN or inf, or raise "
+                "Trainer(max_nonfinite=)"
+            )
 
     def _close(self, loop: _Loop) -> None:
         """Flush what is pending, close the progress bar, stop the profiler and finish the checkpoints."""
